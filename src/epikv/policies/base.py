@@ -1,0 +1,159 @@
+"""What a policy is: a frozen dataclass of its paper's hyperparameters plus three small calls.
+
+A policy never touches the model or the cache internals. It declares what it needs
+(:class:`Needs`), turns each step's signals into per-token values the cache stores beside the keys
+(:meth:`Policy.observe`), and scores the cached slots when the cache decides to compact
+(:meth:`Policy.score`). The cache owns the budget, the interval, true positions and the one
+selection function; the integration module supplies the signals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+GRANULARITIES = ("global", "head", "layer", "layer_head")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Signals a policy asks the integration layer for.
+
+    hidden_layers: decoder layers whose output hidden states (new tokens only) reach ``observe``.
+    query_layer: layer whose attention projections recompute recent queries (Seg-Q), if any.
+    attention_layers: layers whose attention rows of the new tokens reach ``observe`` (baselines);
+    ``attention_queries`` how many recent query rows per layer are kept for ``score``.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    query_layer: int | None = None
+    attention_layers: tuple[int, ...] = ()
+    attention_queries: int = 0
+
+    @property
+    def attention_weights(self) -> bool:
+        return bool(self.attention_layers)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "hidden_states": list(self.hidden_layers),
+            "recent_queries": self.query_layer is not None,
+            "attention_weights": self.attention_weights,
+        }
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy may know of the model: its identity and shape, never its modules."""
+
+    identity: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+
+@dataclass
+class StepSignals:
+    """One forward pass seen by a policy.
+
+    hidden: layer -> (B, q, hidden) output states of the new tokens; valid: (B, q) bool (False on
+    left padding); positions: (B, q) true positions; prefill: first pass of the generation;
+    attention: layer -> (B, Hq, q, L) attention rows of the new tokens over the cache after the
+    update (only for policies that declare attention layers).
+    """
+
+    hidden: dict[int, torch.Tensor]
+    valid: torch.Tensor
+    positions: torch.Tensor
+    prefill: bool
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class CacheView(Protocol):
+    """Read-only view of the cache handed to :meth:`Policy.score`."""
+
+    budget: int
+    num_layers: int
+    prompt_len: torch.Tensor  # (B,)
+    seen: torch.Tensor  # (B,)
+    valid: torch.Tensor  # (B, L)
+    buffers: dict[str, torch.Tensor]  # name -> (G, B, H, L)
+
+    def keys(self, layer: int) -> torch.Tensor: ...  # (B, H, L, D), post-RoPE
+    def values(self, layer: int) -> torch.Tensor: ...  # (B, H, L, D)
+    def positions(self, layer: int = 0) -> torch.Tensor: ...  # (B, H, L); -1 at holes
+    def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of every policy. Subclasses are frozen dataclasses whose fields are the hyperparameters.
+
+    interval: compaction interval tau in decode steps (1 = every step).
+    recent: protected recent window; None = the method's default (see :meth:`recent_window`).
+    protect_prompt: keep every prompt token; n_sink: keep the first n_sink positions.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    source: ClassVar[str] = ""
+    granularity: ClassVar[str] = "global"
+    evicts: ClassVar[bool] = True
+
+    interval: int = 1
+    recent: int | None = None
+    protect_prompt: bool = True
+    n_sink: int = 0
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"{self.name}: interval must be >= 1, got {self.interval}")
+        if self.recent is not None and self.recent < 0:
+            raise ValueError(f"{self.name}: recent must be >= 0 or None, got {self.recent}")
+        if self.n_sink < 0:
+            raise ValueError(f"{self.name}: n_sink must be >= 0, got {self.n_sink}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"{self.name}: unknown granularity {self.granularity!r}")
+
+    # -- configuration -------------------------------------------------------------------------
+    def needs(self) -> Needs:
+        return Needs()
+
+    def resolve(self, model: ModelInfo) -> Policy:
+        """Fill model-dependent defaults (bands) and check them against the model."""
+        return self
+
+    def recent_window(self, budget: int) -> int:
+        """Protected recent tokens at budget K: the paper's r = min(128, floor(K/4)) unless set."""
+        return self.recent if self.recent is not None else min(128, budget // 4)
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, **asdict(self)}
+
+    def with_params(self, **params: Any) -> Policy:
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameter(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **params)
+
+    # -- per generation ------------------------------------------------------------------------
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
+        return None
+
+    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
+        """Per-token values for the new tokens, name -> (G, B, H, q), stored aligned with the slots."""
+        return {}
+
+    def score(self, state: Any, view: CacheView) -> torch.Tensor:
+        """Scores of the cached slots, (G, B, H, L); +inf keeps, -inf drops; higher is kept first."""
+        raise NotImplementedError(f"policy {self.name!r} does not score")  # pragma: no cover
+
+
+def global_scores(x: torch.Tensor) -> torch.Tensor:
+    """Lift (B, L) slot scores to the (1, B, 1, L) layout the selection function expects."""
+    return x[None, :, None, :]

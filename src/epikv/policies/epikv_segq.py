@@ -1,0 +1,101 @@
+"""``epikv-segq`` (alias ``epikv``): EpiKV v3, Seg tiers ranked by recent-query relevance.
+
+Repo name kv_seg_hs_fill_tau128steps_qk_w8rep. The Band-A states of the last w decode tokens are
+kept; at a compaction they are projected through layer A+1's own input norm, query projection and
+RoPE at their true positions, dotted with layer A+1's cached keys, softmaxed over the slots (causal)
+and averaged over queries and heads. The z-scored relevance *replaces* the epiphany score inside the
+tiers (the shipped form), or is added to it (``mode="add"``: z(s) + lambda * z(rel)). Fill on,
+tau = 128. No attention weights are read from the model's kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from epikv import scoring
+from epikv.policies import register
+from epikv.policies.base import CacheView, ModelInfo, Needs, StepSignals
+from epikv.policies.epiphany import EpiphanyState
+from epikv.policies.epikv_seg import EpiKVSeg
+
+MODES = ("replace", "add")
+
+
+@dataclass
+class RecentStates:
+    hidden: torch.Tensor  # (B, w, hidden), oldest first
+    positions: torch.Tensor  # (B, w)
+    count: int = 0
+
+
+@register
+@dataclass(frozen=True)
+class EpiKVSegQ(EpiKVSeg):
+    """EpiKV v3: Seg tiers + recent-query q.K relevance (w = 8), fill, tau = 128."""
+
+    name = "epikv-segq"
+    summary = "EpiKV v3 (default): Seg tiers ranked by recent-query relevance, budget fill."
+    source = "https://arxiv.org/abs/2606.26472"
+
+    interval: int = 128
+    fill: bool = True
+    query_window: int = 8
+    mode: str = "replace"
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query_window < 1:
+            raise ValueError(f"{self.name}: query_window must be >= 1, got {self.query_window}")
+        if self.mode not in MODES:
+            raise ValueError(f"{self.name}: mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def query_layer(self) -> int:
+        return self._bands()[0] + 1
+
+    def resolve(self, model: ModelInfo) -> EpiKVSegQ:
+        resolved = super().resolve(model)
+        if resolved.band_a + 1 >= model.num_layers:
+            raise ValueError(f"{self.name}: band_a={resolved.band_a} leaves no layer A+1 for the queries")
+        return resolved
+
+    def needs(self) -> Needs:
+        return Needs(hidden_layers=self._bands(), query_layer=self.query_layer)
+
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
+        state = super().init_state(batch_size, model, device)
+        hidden = torch.zeros(batch_size, self.query_window, model.hidden_size, device=device)
+        positions = torch.zeros(batch_size, self.query_window, dtype=torch.long, device=device)
+        state.extra = RecentStates(hidden, positions)
+        return state
+
+    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
+        out = super().observe(state, step)
+        if not step.prefill:
+            recent: RecentStates = state.extra
+            new = step.hidden[self._bands()[0]]
+            q = new.shape[1]
+            recent.hidden = torch.cat([recent.hidden, new.to(recent.hidden.dtype)], dim=1)[:, -self.query_window :]
+            recent.positions = torch.cat([recent.positions, step.positions], dim=1)[:, -self.query_window :]
+            recent.count = min(self.query_window, recent.count + q)
+        return out
+
+    def within_segment_score(self, state: EpiphanyState, view: CacheView) -> torch.Tensor:
+        recent: RecentStates = state.extra
+        decode = view.valid & (view.positions(0)[:, 0, :] >= view.prompt_len[:, None])
+        if recent.count == 0:
+            return scoring.masked_zscore(view.buffers["epiphany"][0, :, 0, :], decode)
+        layer = self.query_layer
+        hidden = recent.hidden[:, -recent.count :]
+        positions = recent.positions[:, -recent.count :]
+        queries = view.project_queries(layer, hidden, positions)
+        rel = scoring.qk_relevance(queries, view.keys(layer), positions, view.positions(layer)[:, 0, :], view.valid)
+        z_rel = scoring.masked_zscore(rel, decode)
+        if self.mode == "replace":
+            return z_rel
+        z_s = scoring.masked_zscore(view.buffers["epiphany"][0, :, 0, :], decode)
+        return z_s + self.weight * z_rel
