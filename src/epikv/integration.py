@@ -110,6 +110,11 @@ def project_queries(
         return q * cos + _rotate_half(q) * sin
 
 
+def resolve_policy(model: nn.Module, policy: str | Policy, **params: Any) -> Policy:
+    """The policy with its parameters and model-dependent defaults (bands) filled in."""
+    return get_policy(policy, **params).resolve(model_info(model))
+
+
 class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv", budget=1024) as cache``
     """Attach a budgeted cache and its hooks to ``model`` for the duration of a ``with`` block.
 
@@ -125,7 +130,7 @@ class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv"
         self.spec = check_supported(model)
         self.model = model
         info = model_info(model)
-        self.policy = get_policy(policy, **params).resolve(info)
+        self.policy = resolve_policy(model, policy, **params)
         if self.policy.evicts and budget is None:
             raise ValueError(f"policy {self.policy.name!r} evicts and needs a budget (tokens), got None")
         self.cache = BudgetedCache(self.policy, budget, info, interval)

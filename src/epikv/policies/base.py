@@ -103,6 +103,9 @@ class Policy:
     source: ClassVar[str] = ""
     granularity: ClassVar[str] = "global"
     evicts: ClassVar[bool] = True
+    # What the policy reads, for listings made without a model ("hidden_states", "recent_queries",
+    # "attention_weights"); ``needs()`` gives the exact layers once resolved.
+    requires: ClassVar[tuple[str, ...]] = ()
 
     interval: int = 1
     recent: int | None = None
@@ -133,6 +136,16 @@ class Policy:
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        """Name, summary, source, defaults and requirements, for ``epikv policies``."""
+        defaults = {f.name: getattr(cls(), f.name) for f in fields(cls)}
+        needs = {k: k in cls.requires for k in ("hidden_states", "recent_queries", "attention_weights")}
+        return {
+            "name": cls.name, "summary": cls.summary, "source": cls.source, "evicts": cls.evicts,
+            "granularity": cls.granularity, "needs": needs, "defaults": defaults,
+        }
 
     def with_params(self, **params: Any) -> Policy:
         known = {f.name for f in fields(self)}

@@ -40,6 +40,8 @@ class EpiKVSegQ(EpiKVSeg):
     summary = "EpiKV v3 (default): Seg tiers ranked by recent-query relevance, budget fill."
     source = "https://arxiv.org/abs/2606.26472"
 
+    requires = ("hidden_states", "recent_queries")
+
     interval: int = 128
     fill: bool = True
     query_window: int = 8

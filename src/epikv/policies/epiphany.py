@@ -39,6 +39,8 @@ class BandedPolicy(Policy):
     profile. window: rolling z-score window W. band_mode: diff | a_only | b_only.
     """
 
+    requires = ("hidden_states",)
+
     band_a: int | None = None
     band_b: int | None = None
     window: int = 64

@@ -1,0 +1,167 @@
+"""Command line: ``epikv generate``, ``epikv policies`` and the subsystems' commands.
+
+This module parses arguments and prints; the work happens in the library. Errors a user can fix
+(bad budget, unknown policy, missing package) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from epikv.policies import policy_class, policy_names
+
+
+def parse_params(pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs to a dict; values parse as JSON when they can (ints, floats, true/false)."""
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param expects key=value, got {pair!r}")
+        try:
+            params[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key] = raw
+    return params
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text under a KV budget and report what the cache did")
+    p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
+    p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--policy", default="epikv", help="eviction policy (see `epikv policies`)")
+    p.add_argument("--budget", type=int, default=256, help="KV budget in tokens per sequence")
+    p.add_argument("--interval", type=int, default=None, help="compaction interval tau (default: the policy's)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from epikv.generation import SamplingConfig, generate
+    from epikv.integration import attention_implementation, resolve_policy
+    from epikv.models import load_model, model_identity
+
+    params = parse_params(args.param)
+    policy_class(args.policy)  # unknown names fail before the model loads
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
+    started = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    load_seconds = time.perf_counter() - started
+    policy = resolve_policy(model, args.policy, **params)
+    budget = args.budget if policy.evicts else None
+    streamer = None if args.json else _Streamer(tokenizer)
+    result = generate(
+        model, tokenizer, [args.prompt], policy, budget, sampling, args.interval, chat=not args.raw,
+        on_token=None if streamer is None else streamer.push,
+    )[0]
+    report = {
+        **result.to_dict(),
+        "tokens_per_second": result.tokens_generated / result.seconds if result.seconds else 0.0,
+        "attn_implementation": attention_implementation(model),
+        "model": model_identity(model),
+        "budget": budget,
+        "interval": args.interval if args.interval is not None else policy.interval,
+        "policy": policy.config(),
+        "load_seconds": load_seconds,
+    }
+    del report["token_ids"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print()
+        print(_summary(report), file=sys.stderr)
+    return 0
+
+
+class _Streamer:
+    """Prints the decoded text as it grows (decoding the whole sequence keeps multi-byte pieces right)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def push(self, row: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(self.printed) :])
+            sys.stdout.flush()
+            self.printed = text
+
+
+def _summary(r: dict[str, Any]) -> str:
+    return (
+        f"[epikv] policy={r['policy']['name']} budget={r['budget']} interval={r['interval']} "
+        f"attn={r['attn_implementation']} | prompt {r['prompt_tokens']} + generated {r['tokens_generated']} "
+        f"tokens ({r['finish_reason']}) | cache peak {r['peak_cache_tokens']}, final {r['final_cache_tokens']}, "
+        f"evicted {r['evictions']} | {r['tokens_per_second']:.1f} tok/s"
+    )
+
+
+def _add_policies(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policies", help="list the registered eviction policies")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_policies)
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    rows = [policy_class(name).describe() for name in policy_names()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| policy | needs | defaults | source |\n|---|---|---|---|")
+    for row in rows:
+        needs = ", ".join(k for k, v in row["needs"].items() if v) or "-"
+        defaults = ", ".join(f"{k}={v}" for k, v in row["defaults"].items())
+        print(f"| `{row['name']}` | {needs} | {defaults} | {row['source'] or '-'} |")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epikv", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_policies(sub)
+    for module_name, adders in _EXTENSIONS:
+        if importlib.util.find_spec(module_name.rsplit(".", 1)[0]) is None:
+            continue
+        module = importlib.import_module(module_name)
+        for adder in adders:
+            getattr(module, adder)(sub)
+    return parser
+
+
+# Subsystems add their own subcommands.
+_EXTENSIONS: list[tuple[str, list[str]]] = [
+    ("epikv.eval.cli", ["add_eval_parser", "add_report_parser"]),
+    ("epikv.bench.cli", ["add_bench_parser"]),
+    ("epikv.calibrate.cli", ["add_calibrate_parser"]),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"epikv: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

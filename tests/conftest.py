@@ -1,0 +1,65 @@
+"""Tiny random-weight models (no network) shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# Tiny models run faster on one thread than with two threads waking per op.
+torch.set_num_threads(1)
+
+TINY = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, attn_implementation="sdpa",
+)
+
+
+def make_tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=False))
+    model.epikv_identity = f"tiny-{arch}"
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model(request) -> torch.nn.Module:
+    return make_tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> torch.nn.Module:
+    return make_tiny("llama")
+
+
+# Bands for the 4-layer tiny models (Band A = 1, Band B = 2): every banded policy needs them.
+TINY_BANDS = {"band_a": 1, "band_b": 2}
+
+
+def policy_params(name: str) -> dict:
+    from epikv.policies import policy_class
+    from epikv.policies.epiphany import BandedPolicy
+
+    return dict(TINY_BANDS) if issubclass(policy_class(name), BandedPolicy) else {}
+
+
+class CharTokenizer:
+    """A tiny character tokenizer (no chat template) so generation tests need no files."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [2 + (ord(c) % 90) for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + (i % 90)) for i in ids if not (skip_special_tokens and i < 2))
+
+
+@pytest.fixture(scope="session")
+def tok() -> CharTokenizer:
+    return CharTokenizer()

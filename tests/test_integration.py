@@ -1,0 +1,82 @@
+"""Hooks, architecture checks and query recomputation against the model's own attention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+
+import epikv
+from epikv import scoring
+from epikv.integration import active_hooks, attention_implementation, model_info, project_queries
+from tests.conftest import TINY
+
+PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70, 4]])
+
+
+def test_hooks_removed_and_attention_untouched(tiny_model):
+    assert active_hooks(tiny_model) == 0
+    with epikv.attach(tiny_model, "epikv", budget=64, band_a=1, band_b=2) as cache:
+        assert active_hooks(tiny_model) == 4  # pre + post on the stack, two band layers
+        out = tiny_model(input_ids=PROMPT, cache=cache, use_cache=True)
+        assert attention_implementation(tiny_model) == "sdpa"
+        assert getattr(out, "attentions", None) is None
+    assert active_hooks(tiny_model) == 0
+    with pytest.raises(RuntimeError), epikv.attach(tiny_model, "epikv-flat", budget=64, band_a=1, band_b=2):
+        raise RuntimeError("boom")
+    assert active_hooks(tiny_model) == 0
+
+
+def test_hooks_ignore_other_caches(tiny_llama):
+    ref = tiny_llama(input_ids=PROMPT, cache=DynamicCache(), use_cache=True).logits
+    with epikv.attach(tiny_llama, "epikv-flat", budget=64, band_a=1, band_b=2) as cache:
+        other = tiny_llama(input_ids=PROMPT, cache=DynamicCache(), use_cache=True).logits
+        assert not cache.started
+    torch.testing.assert_close(ref, other)
+
+
+def test_unsupported_models_are_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
+        epikv.attach(gpt2, "streaming", budget=32)
+    cfg = {k: v for k, v in TINY.items() if k != "attn_implementation"}
+    mistral = MistralForCausalLM(MistralConfig(**cfg, sliding_window=64))
+    with pytest.raises(ValueError, match="sliding-window"):
+        epikv.attach(mistral, "streaming", budget=32)
+
+
+def test_band_outside_model(tiny_llama):
+    with pytest.raises(ValueError, match=r"band_b=9 is outside the model's layers 0..3"):
+        epikv.attach(tiny_llama, "epikv-flat", budget=64, band_a=1, band_b=9)
+    with pytest.raises(ValueError, match="no layer A\\+1"):
+        epikv.attach(tiny_llama, "epikv", budget=64, band_a=3, band_b=2)
+
+
+def test_recomputed_queries_reproduce_eager_attention(tiny_model):
+    """Seg-Q relevance from stored Band-A states equals the eager attention row of layer A+1."""
+    band_a = 1
+    eager = copy.deepcopy(tiny_model)
+    eager.config._attn_implementation = "eager"
+    cache = DynamicCache()
+    captured = {}
+    handle = eager.model.layers[band_a].register_forward_hook(lambda m, a, o: captured.update(h=o))
+    try:
+        out = eager(input_ids=PROMPT, cache=cache, use_cache=True, output_attentions=True)
+    finally:
+        handle.remove()
+    n = PROMPT.shape[1]
+    last = torch.tensor([[n - 1]])
+    q = project_queries(tiny_model, epikv.integration.check_supported(tiny_model), band_a + 1,
+                        captured["h"][:, -1:], last)
+    keys = cache.layers[band_a + 1].keys
+    rel = scoring.qk_relevance(q, keys, last, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
+    want = out.attentions[band_a + 1][:, :, -1, :].mean(dim=1)
+    torch.testing.assert_close(rel, want, rtol=1e-4, atol=1e-5)
+
+
+def test_model_info(tiny_llama):
+    info = model_info(tiny_llama)
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (4, 4, 2, 16)
+    assert info.identity == "tiny-llama"

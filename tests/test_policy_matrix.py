@@ -1,0 +1,63 @@
+"""One matrix over every registered policy: invariants that must hold whatever the scores are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import epikv
+from epikv.generation import SamplingConfig, generate
+from epikv.policies import policy_class, policy_names
+from tests.conftest import policy_params
+
+PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
+
+
+def plain_greedy(model, ids, n):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=DynamicCache())
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_no_eviction_equals_plain_cache(tiny_model, name):
+    n = 30
+    budget = None if not policy_class(name).evicts else 10_000
+    ref = plain_greedy(tiny_model, PROMPT, n)
+    with epikv.attach(tiny_model, name, budget=budget, **policy_params(name)) as cache:
+        out = tiny_model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    assert cache.stats()[0].evictions == 0
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if policy_class(n).evicts])
+def test_bounded_protected_ordered_under_eviction(tiny_llama, name):
+    budget, n = 48, 120
+    seen_lengths = []
+    with epikv.attach(tiny_llama, name, budget=budget, **policy_params(name)) as cache:
+        ids = PROMPT
+        logits = tiny_llama(input_ids=ids, cache=cache, use_cache=True).logits
+        for _ in range(n):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            logits = tiny_llama(input_ids=token, cache=cache, use_cache=True).logits
+            seen_lengths.append(cache.get_seq_length())
+            pos = cache.layers[0].positions[0, 0].tolist()
+            assert pos == sorted(pos), "positional order lost"
+            assert all(p in pos for p in range(cache.policy.n_sink)), "sink evicted"
+            if cache.policy.protect_prompt:
+                assert all(p in pos for p in range(PROMPT.shape[1])), "prompt evicted"
+        recent = cache.policy.recent_window(budget)
+        seen = int(cache.seen[0])
+        assert all(p in pos for p in range(seen - recent, seen)), "recent window evicted"
+    assert max(seen_lengths) <= budget + cache.interval
+    assert cache.stats()[0].peak_cache_tokens <= budget + cache.interval
+    assert cache.stats()[0].evictions > 0
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if policy_class(n).evicts])
+def test_runs_on_a_padded_batch(tiny_llama, name, tok):
+    results = generate(
+        tiny_llama, tok, ["a b c d e f", "a b"], name, budget=40,
+        sampling=SamplingConfig(max_new_tokens=60, ignore_eos=True), **policy_params(name),
+    )
+    assert [r.tokens_generated for r in results] == [60, 60]
+    assert all(r.peak_cache_tokens <= 40 + epikv.get_policy(name).interval for r in results)
