@@ -10,8 +10,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 torch.set_num_threads(1)
 
 TINY = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=4096, attn_implementation="sdpa",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    attn_implementation="sdpa",
 )
 
 

@@ -60,7 +60,9 @@ def test_logits_after_eviction_match_reference_with_true_positions(tiny_model):
 
     assert compacted_len < true_pos
     torch.testing.assert_close(ours, reference(true_pos), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(ours, reference(compacted_len), atol=1e-3), "positions collapsed to compacted length"
+    assert not torch.allclose(ours, reference(compacted_len), atol=1e-3), (
+        "positions collapsed to compacted length"
+    )
 
 
 def test_kept_set_is_true_topk_of_recording_policy(tiny_llama):
@@ -78,7 +80,11 @@ def test_kept_set_is_true_topk_of_recording_policy(tiny_llama):
             pos, scores, _ = Recording.calls[-1]
             seen, prompt = int(cache.seen[0]), PROMPT.shape[1]
             forced = [p for p in pos[0].long().tolist() if p < prompt or p >= seen - 5]
-            free = [(s, p) for s, p in zip(scores[0].tolist(), pos[0].long().tolist()) if p not in forced]
+            free = [
+                (s, p)
+                for s, p in zip(scores[0].tolist(), pos[0].long().tolist(), strict=True)
+                if p not in forced
+            ]
             best = [p for _, p in sorted(free, key=lambda sp: (-sp[0], -sp[1]))[: budget - len(forced)]]
             assert cache.layers[0].positions[0, 0].tolist() == sorted(forced + best)
     assert len(Recording.calls) > 10
@@ -97,7 +103,9 @@ def test_interval_bounds_growth(tiny_llama):
         lengths = []
         logits = tiny_llama(input_ids=PROMPT, cache=cache, use_cache=True).logits
         for _ in range(60):
-            logits = tiny_llama(input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True).logits
+            logits = tiny_llama(
+                input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True
+            ).logits
             lengths.append(cache.get_seq_length())
     assert max(lengths) <= 28 and max(lengths) > 21  # grows between compactions, never past K + tau
     assert cache.compactions >= 5
@@ -110,16 +118,27 @@ def test_padded_batch_equals_each_prompt_alone(tiny_model, tok):
         params = {"band_a": 1, "band_b": 2} if name != "streaming" else {}
         batch = generate(tiny_model, tok, prompts, name, budget=60, sampling=sampling, interval=4, **params)
         for prompt, got in zip(prompts, batch, strict=True):
-            alone = generate(tiny_model, tok, [prompt], name, budget=60, sampling=sampling, interval=4, **params)[0]
+            alone = generate(
+                tiny_model, tok, [prompt], name, budget=60, sampling=sampling, interval=4, **params
+            )[0]
             assert got.token_ids == alone.token_ids, name
             assert (got.evictions, got.peak_cache_tokens, got.final_cache_tokens) == (
-                alone.evictions, alone.peak_cache_tokens, alone.final_cache_tokens)
+                alone.evictions,
+                alone.peak_cache_tokens,
+                alone.final_cache_tokens,
+            )
         assert any(r.evictions > 0 for r in batch)
 
 
 def test_counters(tiny_llama, tok):
-    r = generate(tiny_llama, tok, ["hello there"], "random", budget=30,
-                 sampling=SamplingConfig(max_new_tokens=40, ignore_eos=True))[0]
+    r = generate(
+        tiny_llama,
+        tok,
+        ["hello there"],
+        "random",
+        budget=30,
+        sampling=SamplingConfig(max_new_tokens=40, ignore_eos=True),
+    )[0]
     assert r.prompt_tokens == 11 and r.tokens_generated == 40
     # the last token is sampled but never fed back: 11 + 39 tokens seen
     assert r.final_cache_tokens == 30 and r.evictions == 11 + 39 - 30
@@ -132,7 +151,9 @@ def test_budget_errors(tiny_llama):
     with pytest.raises(ValueError, match="needs a budget"):
         epikv.attach(tiny_llama, "random", budget=None)
     with epikv.attach(tiny_llama, "epikv-flat", budget=12, band_a=1, band_b=2) as cache:
-        with pytest.raises(ValueError, match=r"budget 12 cannot hold .*prompt \(10\) \+ recent window \(3\) = 13"):
+        with pytest.raises(
+            ValueError, match=r"budget 12 cannot hold .*prompt \(10\) \+ recent window \(3\) = 13"
+        ):
             tiny_llama(input_ids=PROMPT, cache=cache, use_cache=True)
 
 

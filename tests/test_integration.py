@@ -68,8 +68,9 @@ def test_recomputed_queries_reproduce_eager_attention(tiny_model):
         handle.remove()
     n = PROMPT.shape[1]
     last = torch.tensor([[n - 1]])
-    q = project_queries(tiny_model, epikv.integration.check_supported(tiny_model), band_a + 1,
-                        captured["h"][:, -1:], last)
+    q = project_queries(
+        tiny_model, epikv.integration.check_supported(tiny_model), band_a + 1, captured["h"][:, -1:], last
+    )
     keys = cache.layers[band_a + 1].keys
     rel = scoring.qk_relevance(q, keys, last, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
     want = out.attentions[band_a + 1][:, :, -1, :].mean(dim=1)

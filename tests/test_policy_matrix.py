@@ -56,8 +56,13 @@ def test_bounded_protected_ordered_under_eviction(tiny_llama, name):
 @pytest.mark.parametrize("name", [n for n in policy_names() if policy_class(n).evicts])
 def test_runs_on_a_padded_batch(tiny_llama, name, tok):
     results = generate(
-        tiny_llama, tok, ["a b c d e f", "a b"], name, budget=40,
-        sampling=SamplingConfig(max_new_tokens=60, ignore_eos=True), **policy_params(name),
+        tiny_llama,
+        tok,
+        ["a b c d e f", "a b"],
+        name,
+        budget=40,
+        sampling=SamplingConfig(max_new_tokens=60, ignore_eos=True),
+        **policy_params(name),
     )
     assert [r.tokens_generated for r in results] == [60, 60]
     assert all(r.peak_cache_tokens <= 40 + epikv.get_policy(name).interval for r in results)

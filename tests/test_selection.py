@@ -46,5 +46,7 @@ def test_protected_slots_rules():
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, -1]])[None, :, None, :].expand(1, 1, 1, 7)
     prot = protected_slots(pos, torch.tensor([2]), torch.tensor([6]), protect_prompt=True, n_sink=0, recent=2)
     assert prot[0, 0, 0].tolist() == [True, True, False, False, True, True, False]
-    prot = protected_slots(pos, torch.tensor([2]), torch.tensor([6]), protect_prompt=False, n_sink=1, recent=0)
+    prot = protected_slots(
+        pos, torch.tensor([2]), torch.tensor([6]), protect_prompt=False, n_sink=1, recent=0
+    )
     assert prot[0, 0, 0].tolist() == [True] + [False] * 6

@@ -10,8 +10,9 @@ policy's type. It does not know the model: the integration module feeds it each 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -164,8 +165,12 @@ class BudgetedCache(Cache):
         scores = self.policy.score(self.state, view)
         positions = self._positions_for(scores)
         protected = protected_slots(
-            positions, self.prompt_len, self.seen, protect_prompt=self.policy.protect_prompt,
-            n_sink=self.policy.n_sink, recent=self.policy.recent_window(self.budget),
+            positions,
+            self.prompt_len,
+            self.seen,
+            protect_prompt=self.policy.protect_prompt,
+            n_sink=self.policy.n_sink,
+            recent=self.policy.recent_window(self.budget),
         )
         keep = torch.full_like(self.seen, self.budget)
         sel = select_keep(scores, protected, self.valid, keep)
@@ -189,7 +194,12 @@ class BudgetedCache(Cache):
     def stats(self) -> list[SequenceStats]:
         held = self.valid.sum(dim=-1) if self.started else self.seen
         rows = zip(
-            self.prompt_len.tolist(), self.seen.tolist(), self.peak.tolist(), held.tolist(), self.evicted.tolist()
+            self.prompt_len.tolist(),
+            self.seen.tolist(),
+            self.peak.tolist(),
+            held.tolist(),
+            self.evicted.tolist(),
+            strict=True,
         )
         return [SequenceStats(*row) for row in rows]
 

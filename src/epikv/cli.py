@@ -35,10 +35,14 @@ def parse_params(pairs: list[str]) -> dict[str, Any]:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text under a KV budget and report what the cache did")
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
-    p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--policy", default="epikv", help="eviction policy (see `epikv policies`)")
     p.add_argument("--budget", type=int, default=256, help="KV budget in tokens per sequence")
-    p.add_argument("--interval", type=int, default=None, help="compaction interval tau (default: the policy's)")
+    p.add_argument(
+        "--interval", type=int, default=None, help="compaction interval tau (default: the policy's)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -65,7 +69,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     budget = args.budget if policy.evicts else None
     streamer = None if args.json else _Streamer(tokenizer)
     result = generate(
-        model, tokenizer, [args.prompt], policy, budget, sampling, args.interval, chat=not args.raw,
+        model,
+        tokenizer,
+        [args.prompt],
+        policy,
+        budget,
+        sampling,
+        args.interval,
+        chat=not args.raw,
         on_token=None if streamer is None else streamer.push,
     )[0]
     report = {
@@ -106,7 +117,8 @@ def _summary(r: dict[str, Any]) -> str:
     return (
         f"[epikv] policy={r['policy']['name']} budget={r['budget']} interval={r['interval']} "
         f"attn={r['attn_implementation']} | prompt {r['prompt_tokens']} + generated {r['tokens_generated']} "
-        f"tokens ({r['finish_reason']}) | cache peak {r['peak_cache_tokens']}, final {r['final_cache_tokens']}, "
+        f"tokens ({r['finish_reason']}) | cache peak {r['peak_cache_tokens']}, "
+        f"final {r['final_cache_tokens']}, "
         f"evicted {r['evictions']} | {r['tokens_per_second']:.1f} tok/s"
     )
 

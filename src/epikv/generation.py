@@ -57,7 +57,9 @@ class SequenceResult:
         return asdict(self)
 
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and attention mask (B, P), left padded. A str prompt is wrapped as one user message
     when ``chat`` and the tokenizer has a chat template; a message list always uses the template."""
     if not prompts:
@@ -107,9 +109,16 @@ def next_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch
 
 @torch.no_grad()
 def generate(
-    model: Any, tokenizer: Any, prompts: Sequence[Prompt], policy: Any = "epikv", budget: int | None = None,
-    sampling: SamplingConfig | None = None, interval: int | None = None, chat: bool = True,
-    on_token: Callable[[int, int], None] | None = None, **policy_params: Any,
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    policy: Any = "epikv",
+    budget: int | None = None,
+    sampling: SamplingConfig | None = None,
+    interval: int | None = None,
+    chat: bool = True,
+    on_token: Callable[[int, int], None] | None = None,
+    **policy_params: Any,
 ) -> list[SequenceResult]:
     """Generate for a batch of prompts under one policy and budget; returns one result per prompt.
 
@@ -127,7 +136,9 @@ def generate(
     final_stats: dict[int, Any] = {}
     start = time.perf_counter()
     with attach(model, policy, budget=budget, interval=interval, **policy_params) as cache:
-        logits = model(input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(
+            input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1
+        ).logits
         for step in range(sampling.max_new_tokens):
             token = next_tokens(logits[:, -1], sampling, generator)
             token = torch.where(done, stop[0].clamp_min(0), token)
@@ -157,18 +168,26 @@ def _snapshot(stats: list, rows: torch.Tensor, into: dict[int, Any]) -> None:
         into[row] = stats[row]
 
 
-def _results(tokenizer: Any, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, stats: list,
-             seconds: float) -> list[SequenceResult]:
+def _results(
+    tokenizer: Any, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, stats: list, seconds: float
+) -> list[SequenceResult]:
     results = []
     for row, st in enumerate(stats):
         n = int(lengths[row])
         ids = out[row, :n].tolist()
-        results.append(SequenceResult(
-            text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids, prompt_tokens=st.prompt_tokens,
-            tokens_generated=n, finish_reason="eos" if bool(done[row]) else "length",
-            peak_cache_tokens=st.peak_cache_tokens, final_cache_tokens=st.final_cache_tokens,
-            evictions=st.evictions, seconds=seconds,
-        ))
+        results.append(
+            SequenceResult(
+                text=tokenizer.decode(ids, skip_special_tokens=True),
+                token_ids=ids,
+                prompt_tokens=st.prompt_tokens,
+                tokens_generated=n,
+                finish_reason="eos" if bool(done[row]) else "length",
+                peak_cache_tokens=st.peak_cache_tokens,
+                final_cache_tokens=st.final_cache_tokens,
+                evictions=st.evictions,
+                seconds=seconds,
+            )
+        )
     return results
 
 
@@ -176,7 +195,10 @@ Generator = Callable[[list[list[dict[str, str]]], SamplingConfig], list[Sequence
 
 
 def make_generator(
-    model_name: str | None, policy: str, budget: int | None, interval: int | None = None,
+    model_name: str | None,
+    policy: str,
+    budget: int | None,
+    interval: int | None = None,
     policy_params: dict[str, Any] | None = None,
 ) -> Generator:
     """A callable that generates for chat prompts with the named model, policy and budget bound.

@@ -101,6 +101,9 @@ def scaled_profile(model: str, num_layers: int) -> BandProfile:
     band_b = min(num_layers - 1, round(b * num_layers / n))
     log.warning(
         "no EpiKV band profile for %s; using Llama-8B bands scaled by depth (A=%d, B=%d). "
-        "Run `epikv calibrate` for this model.", model, band_a, band_b,
+        "Run `epikv calibrate` for this model.",
+        model,
+        band_a,
+        band_b,
     )
     return BandProfile(model, num_layers, band_a, band_b, method="scaled from Llama-8B 10/21 of 32")

@@ -66,7 +66,7 @@ def lag_normalized_spread(x: torch.Tensor, lag: int, reference: str = "previous"
     """
     if reference not in ("previous", "next"):
         raise ValueError(f"reference must be 'previous' or 'next', got {reference!r}")
-    b, h, length, d = x.shape
+    b, h, length, _ = x.shape
     out = torch.full((b, h, length), float("nan"), dtype=torch.float32, device=x.device)
     n_chunks = (length + lag - 1) // lag
     xf = x.float()
@@ -113,8 +113,12 @@ def segment_tiers(stat: torch.Tensor) -> torch.Tensor:
 
 
 def segment_keep(
-    scores: torch.Tensor, candidate: torch.Tensor, tiers: torch.Tensor, caps: tuple[int, int, int],
-    segment: int, budget: int,
+    scores: torch.Tensor,
+    candidate: torch.Tensor,
+    tiers: torch.Tensor,
+    caps: tuple[int, int, int],
+    segment: int,
+    budget: int,
 ) -> torch.Tensor:
     """Seg's oldest-first capped selection for one sequence (§1.6 steps 5-6).
 
@@ -143,7 +147,10 @@ def segment_keep(
 
 
 def qk_relevance(
-    queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
     key_valid: torch.Tensor,
 ) -> torch.Tensor:
     """Relevance of each cached slot to the recent queries (Seg-Q, §1.7).
@@ -153,7 +160,7 @@ def qk_relevance(
     softmax(q·kᵀ/√D) over slots with a causal mask (a key is visible to a query when its position is
     not after the query's), averaged over the W queries and all heads. Returns (B, L) float32.
     """
-    b, hq, w, d = queries.shape
+    hq, d = queries.shape[1], queries.shape[3]
     h = keys.shape[1]
     k = keys.float().repeat_interleave(hq // h, dim=1)
     logits = torch.einsum("bhwd,bhld->bhwl", queries.float(), k) / d**0.5

@@ -29,8 +29,13 @@ class Selection:
 
 
 def protected_slots(
-    positions: torch.Tensor, prompt_len: torch.Tensor, seen: torch.Tensor, *, protect_prompt: bool,
-    n_sink: int, recent: int,
+    positions: torch.Tensor,
+    prompt_len: torch.Tensor,
+    seen: torch.Tensor,
+    *,
+    protect_prompt: bool,
+    n_sink: int,
+    recent: int,
 ) -> torch.Tensor:
     """Slots no policy may evict: the prompt (or the first n_sink positions) and the last ``recent``.
 
@@ -46,13 +51,16 @@ def protected_slots(
     return prot & (p >= 0)
 
 
-def select_keep(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> Selection:
+def select_keep(
+    scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor
+) -> Selection:
     """Top-k per row with protected slots first, returning sorted indices.
 
     scores: (G, B, H, L) float, +inf = must keep, -inf = must drop; protected: bool broadcastable
     to scores (usually (B, L) or (G, B, H, L)); valid: (B, L) bool, False at holes (never kept);
     keep: (B,) how many real slots each row may keep (its budget, or fewer when the row is short).
-    A row keeps min(keep, slots that are not -inf) in every layer group and head.
+    A row keeps min(keep, slots that are not -inf) in every layer group and head; ties keep the
+    newer slot.
     """
     if scores.dim() != 4:
         raise ValueError(f"scores must be (G, B, H, L), got shape {tuple(scores.shape)}")
@@ -62,7 +70,9 @@ def select_keep(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tens
     allowed = (s > float("-inf")).sum(dim=-1)  # (G, B, H)
     kept = torch.minimum(keep.to(allowed.device), allowed.amin(dim=(0, 2)))
     k_max = int(kept.max())  # one host sync per compaction, never per token
-    top = s.topk(k_max, dim=-1, sorted=True).indices  # best first
+    # Best first; among equal scores the newer slot wins (stable sort over the reversed slots).
+    length = s.shape[-1]
+    top = length - 1 - s.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
     rank = torch.arange(k_max, device=s.device)
     real = rank[None, None, None, :] < kept[None, :, None, None]
     ordered = torch.where(real, top, torch.full_like(top, -1)).sort(dim=-1).values

@@ -62,8 +62,9 @@ class StepSignals:
 
     hidden: layer -> (B, q, hidden) output states of the new tokens; valid: (B, q) bool (False on
     left padding); positions: (B, q) true positions; prefill: first pass of the generation;
-    attention: layer -> (B, Hq, q, L) attention rows of the new tokens over the cache after the
-    update (only for policies that declare attention layers).
+    attention: layer -> (B, Hq, w, L) attention rows of the last w = ``Needs.attention_queries`` new
+    tokens over the cache after the update; attention_colsum: layer -> (B, Hq, L) the rows of all new
+    tokens summed (only for policies that declare attention layers).
     """
 
     hidden: dict[int, torch.Tensor]
@@ -71,6 +72,7 @@ class StepSignals:
     positions: torch.Tensor
     prefill: bool
     attention: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention_colsum: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class CacheView(Protocol):
@@ -143,8 +145,13 @@ class Policy:
         defaults = {f.name: getattr(cls(), f.name) for f in fields(cls)}
         needs = {k: k in cls.requires for k in ("hidden_states", "recent_queries", "attention_weights")}
         return {
-            "name": cls.name, "summary": cls.summary, "source": cls.source, "evicts": cls.evicts,
-            "granularity": cls.granularity, "needs": needs, "defaults": defaults,
+            "name": cls.name,
+            "summary": cls.summary,
+            "source": cls.source,
+            "evicts": cls.evicts,
+            "granularity": cls.granularity,
+            "needs": needs,
+            "defaults": defaults,
         }
 
     def with_params(self, **params: Any) -> Policy:

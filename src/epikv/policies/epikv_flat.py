@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from epikv.policies import register
-from epikv.policies.base import CacheView, global_scores
+from epikv.policies.base import CacheView
 from epikv.policies.epiphany import BandedPolicy
 
 

@@ -48,5 +48,7 @@ class EpiKVLag(Policy):
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
         s = scoring.lag_normalized_spread(layer_mean(view, "keys"), self.lag, "previous").mean(dim=1)
         if self.use_values:
-            s = s + scoring.lag_normalized_spread(layer_mean(view, "values"), self.lag, "previous").mean(dim=1)
+            s = s + scoring.lag_normalized_spread(layer_mean(view, "values"), self.lag, "previous").mean(
+                dim=1
+            )
         return global_scores(s)

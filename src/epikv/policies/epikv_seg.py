@@ -46,7 +46,9 @@ def tiered_priority(
         stats = torch.stack([variance[b, idx[i * segment : (i + 1) * segment]].mean() for i in range(n_seg)])
         candidate = positions[b, idx] >= view.prompt_len[b]
         left = view.budget - recent - int(view.prompt_len[b])
-        chosen = scoring.segment_keep(within[b, idx], candidate, scoring.segment_tiers(stats), caps, segment, left)
+        chosen = scoring.segment_keep(
+            within[b, idx], candidate, scoring.segment_tiers(stats), caps, segment, left
+        )
         row = out[b]
         if fill:
             row[idx] = within[b, idx]

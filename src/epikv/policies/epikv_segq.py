@@ -18,8 +18,8 @@ import torch
 from epikv import scoring
 from epikv.policies import register
 from epikv.policies.base import CacheView, ModelInfo, Needs, StepSignals
-from epikv.policies.epiphany import EpiphanyState
 from epikv.policies.epikv_seg import EpiKVSeg
+from epikv.policies.epiphany import EpiphanyState
 
 MODES = ("replace", "add")
 
@@ -81,7 +81,9 @@ class EpiKVSegQ(EpiKVSeg):
             recent: RecentStates = state.extra
             new = step.hidden[self._bands()[0]]
             q = new.shape[1]
-            recent.hidden = torch.cat([recent.hidden, new.to(recent.hidden.dtype)], dim=1)[:, -self.query_window :]
+            recent.hidden = torch.cat([recent.hidden, new.to(recent.hidden.dtype)], dim=1)[
+                :, -self.query_window :
+            ]
             recent.positions = torch.cat([recent.positions, step.positions], dim=1)[:, -self.query_window :]
             recent.count = min(self.query_window, recent.count + q)
         return out
@@ -95,7 +97,9 @@ class EpiKVSegQ(EpiKVSeg):
         hidden = recent.hidden[:, -recent.count :]
         positions = recent.positions[:, -recent.count :]
         queries = view.project_queries(layer, hidden, positions)
-        rel = scoring.qk_relevance(queries, view.keys(layer), positions, view.positions(layer)[:, 0, :], view.valid)
+        rel = scoring.qk_relevance(
+            queries, view.keys(layer), positions, view.positions(layer)[:, 0, :], view.valid
+        )
         z_rel = scoring.masked_zscore(rel, decode)
         if self.mode == "replace":
             return z_rel

@@ -98,8 +98,16 @@ class BandedPolicy(Policy):
         return {"epiphany": torch.stack(out, dim=-1)[None, :, None, :]}
 
     def _push(self, state: EpiphanyState, h_a: torch.Tensor, h_b: torch.Tensor) -> torch.Tensor:
-        d_a = scoring.step_change(h_a, state.prev_a) if state.prev_a is not None else h_a.new_zeros(h_a.shape[0])
-        d_b = scoring.step_change(h_b, state.prev_b) if state.prev_b is not None else h_b.new_zeros(h_b.shape[0])
+        d_a = (
+            scoring.step_change(h_a, state.prev_a)
+            if state.prev_a is not None
+            else h_a.new_zeros(h_a.shape[0])
+        )
+        d_b = (
+            scoring.step_change(h_b, state.prev_b)
+            if state.prev_b is not None
+            else h_b.new_zeros(h_b.shape[0])
+        )
         state.prev_a, state.prev_b = h_a, h_b
         state.win_a = scoring.push_window(state.win_a, d_a)
         state.win_b = scoring.push_window(state.win_b, d_b)

@@ -1,4 +1,4 @@
-"""The one module that touches transformers internals: architecture table, hooks, query projection.
+"""Hooks that attach a budgeted cache to a model for the duration of a `with` block.
 
 It attaches a :class:`~epikv.cache.BudgetedCache` to a causal LM through public seams only:
 forward hooks installed by a context manager that always removes them, and the ``cache`` argument
@@ -10,104 +10,23 @@ its attention implementation (SDPA, FlashAttention): nothing here asks for atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from epikv.cache import BudgetedCache
+from epikv.integration.arch import (
+    base_model,
+    check_supported,
+    decoder_layers,
+    model_info,
+    project_queries,
+    text_config,
+)
+from epikv.integration.attention import AttentionCapture
 from epikv.policies import Policy, get_policy
-from epikv.policies.base import ModelInfo, StepSignals
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """Where an architecture keeps what the hooks need."""
-
-    q_norm: str | None = None  # per-head query norm applied before RoPE (Qwen3)
-
-
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(),
-    "mistral": ArchSpec(),
-    "qwen2": ArchSpec(),
-    "qwen3": ArchSpec(q_norm="q_norm"),
-}
-
-
-def _text_config(model: nn.Module) -> Any:
-    return model.config.get_text_config(decoder=True)
-
-
-def check_supported(model: nn.Module) -> ArchSpec:
-    """The architecture's spec, or a clear error for models the cache would get silently wrong."""
-    config = _text_config(model)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported by epikv (supported: {', '.join(sorted(ARCHITECTURES))}); "
-            "eviction needs RoPE attention without sliding windows"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in layer_types)
-    window = getattr(config, "sliding_window", None)
-    if sliding or (window is not None and getattr(config, "use_sliding_window", True)):
-        raise ValueError(
-            f"model type {model_type!r} with sliding-window layers (sliding_window={window}) is not supported: "
-            "a window over compacted slots would mask the wrong tokens"
-        )
-    if getattr(_base_model(model), "rotary_emb", None) is None:
-        raise ValueError(f"model type {model_type!r} has no rotary embedding; true positions cannot be kept")
-    return ARCHITECTURES[model_type]
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    return getattr(model, getattr(model, "base_model_prefix", "model"), model)
-
-
-def _layers(model: nn.Module) -> nn.ModuleList:
-    return _base_model(model).layers
-
-
-def model_info(model: nn.Module) -> ModelInfo:
-    config = _text_config(model)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    identity = getattr(model, "epikv_identity", None) or getattr(config, "_name_or_path", "") or "unknown"
-    return ModelInfo(
-        identity=str(identity),
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        hidden_size=config.hidden_size,
-    )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def project_queries(
-    model: nn.Module, spec: ArchSpec, layer: int, hidden: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """Queries of ``layer`` for residual states ``hidden`` (B, W, hidden) entering it, with RoPE at
-    ``positions`` (B, W): the layer's own input norm, query projection (and Qwen3's q_norm), then
-    RoPE. Returns (B, Hq, W, head_dim)."""
-    decoder = _layers(model)[layer]
-    attn = decoder.self_attn
-    info = model_info(model)
-    with torch.no_grad():
-        x = decoder.input_layernorm(hidden.to(attn.q_proj.weight.dtype))
-        q = attn.q_proj(x).view(*hidden.shape[:2], -1, info.head_dim)
-        if spec.q_norm is not None:
-            q = getattr(attn, spec.q_norm)(q)
-        q = q.transpose(1, 2)
-        cos, sin = _base_model(model).rotary_emb(x, positions)
-        cos, sin = cos[:, None], sin[:, None]
-        return q * cos + _rotate_half(q) * sin
+from epikv.policies.base import StepSignals
 
 
 def resolve_policy(model: nn.Module, policy: str | Policy, **params: Any) -> Policy:
@@ -115,22 +34,36 @@ def resolve_policy(model: nn.Module, policy: str | Policy, **params: Any) -> Pol
     return get_policy(policy, **params).resolve(model_info(model))
 
 
-class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv", budget=1024) as cache``
+class attach:
     """Attach a budgeted cache and its hooks to ``model`` for the duration of a ``with`` block.
 
-    Inside the block pass the returned cache to ``model(..., cache=cache)`` or
+    ``attention`` chooses where attention rows come from for policies that need them: ``recompute``
+    (beside the fused kernel, the default) or ``eager`` (the model runs eager attention while
+    attached). Inside the block pass the returned cache to ``model(..., cache=cache)`` or
     ``model.generate(..., past_key_values=cache)``; one cache serves one generation (call
     ``cache.reset()`` before reusing it). All hooks are removed on exit, even after an error.
     """
 
     def __init__(
-        self, model: nn.Module, policy: str | Policy = "epikv", budget: int | None = None,
-        interval: int | None = None, **params: Any,
+        self,
+        model: nn.Module,
+        policy: str | Policy = "epikv",
+        budget: int | None = None,
+        interval: int | None = None,
+        attention: str = "recompute",
+        **params: Any,
     ) -> None:
         self.spec = check_supported(model)
         self.model = model
         info = model_info(model)
         self.policy = resolve_policy(model, policy, **params)
+        needs = self.policy.needs()
+        self.attention = (
+            AttentionCapture(model, self.spec, needs.attention_layers, needs.attention_queries, attention)
+            if needs.attention_layers
+            else None
+        )
+        self.attention_mode = attention if needs.attention_layers else None
         if self.policy.evicts and budget is None:
             raise ValueError(f"policy {self.policy.name!r} evicts and needs a budget (tokens), got None")
         self.cache = BudgetedCache(self.policy, budget, info, interval)
@@ -143,12 +76,14 @@ class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv"
         return project_queries(self.model, self.spec, layer, hidden, positions)
 
     def __enter__(self) -> BudgetedCache:
-        base = _base_model(self.model)
+        base = base_model(self.model)
         self._handles.append(base.register_forward_pre_hook(self._before, with_kwargs=True))
         self._handles.append(base.register_forward_hook(self._after, with_kwargs=True))
-        layers = _layers(self.model)
+        layers = decoder_layers(self.model)
         for index in self.policy.needs().hidden_layers:
             self._handles.append(layers[index].register_forward_hook(self._capture(index)))
+        if self.attention is not None:
+            self._handles.extend(self.attention.install())
         return self.cache
 
     def __exit__(self, *exc: object) -> None:
@@ -156,6 +91,8 @@ class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv"
             handle.remove()
         self._handles.clear()
         self._hidden.clear()
+        if self.attention is not None:
+            self.attention.restore()
 
     # -- hooks -----------------------------------------------------------------------------------
     def _ours(self, kwargs: dict[str, Any]) -> bool:
@@ -177,6 +114,8 @@ class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv"
         positions = self.cache.next_positions(new_valid)
         self.cache.begin_step(new_valid, positions)
         self._step = (new_valid, positions, prefill)
+        if self.attention is not None:
+            self.attention.active = True
         kwargs["position_ids"] = positions
         kwargs["attention_mask"] = self.cache.valid.long() if self.cache.has_holes else None
         return args, kwargs
@@ -193,21 +132,23 @@ class attach:  # noqa: N801 - used like a function: ``with attach(model, "epikv"
             return
         new_valid, positions, prefill = self._step
         self._step = None
-        signals = StepSignals(hidden=dict(self._hidden), valid=new_valid, positions=positions, prefill=prefill)
+        signals = StepSignals(
+            hidden=dict(self._hidden), valid=new_valid, positions=positions, prefill=prefill
+        )
         self._hidden.clear()
+        if self.attention is not None:
+            self.attention.active = False
+            keys = {i: self.cache.layers[i].keys for i in self.attention.layers}
+            signals.attention, signals.attention_colsum = self.attention.collect(keys, self.cache.valid)
         with torch.no_grad():
             self.cache.end_step(signals)
 
 
 def active_hooks(model: nn.Module) -> int:
     """Number of forward hooks on the decoder stack and its layers (0 once every attach has exited)."""
-    modules = [_base_model(model), *_layers(model)]
+    modules = [base_model(model), *decoder_layers(model)]
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in modules)
 
 
 def attention_implementation(model: nn.Module) -> str:
-    return str(_text_config(model)._attn_implementation)
-
-
-__all__ = ["ARCHITECTURES", "ArchSpec", "active_hooks", "attach", "attention_implementation", "check_supported",
-           "model_info", "project_queries"]
+    return str(text_config(model)._attn_implementation)

@@ -1,0 +1,17 @@
+"""The one place that touches transformers internals: architecture table, hooks, query projection
+and attention capture. Everything else in epikv sees models only through this package."""
+
+from epikv.integration.arch import ARCHITECTURES, ArchSpec, check_supported, model_info, project_queries
+from epikv.integration.hooks import active_hooks, attach, attention_implementation, resolve_policy
+
+__all__ = [
+    "ARCHITECTURES",
+    "ArchSpec",
+    "active_hooks",
+    "attach",
+    "attention_implementation",
+    "check_supported",
+    "model_info",
+    "project_queries",
+    "resolve_policy",
+]

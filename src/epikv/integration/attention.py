@@ -1,0 +1,121 @@
+"""Attention rows for the policies that need them (H2O, TOVA, SnapKV, R-KV, RaaS, ThinKV...).
+
+Two sources, chosen per attach and recorded in the run config:
+
+* ``recompute`` (default): the model keeps its fused kernel (SDPA / FlashAttention); a pre-hook on
+  each needed attention module reads its normed input and RoPE tables, recomputes the new tokens'
+  queries, and after the step the rows softmax(q.K^T / sqrt(d)) over the cached keys are computed
+  beside the kernel, in query chunks so memory stays bounded.
+* ``eager``: the model is switched to eager attention for the duration of the attach and the
+  weights its attention modules return are read (the paper's set-up for attention baselines).
+
+Policies receive, per layer, the rows of the last ``rows`` new queries (B, Hq, w, L) and the sum of
+all new queries' rows (B, Hq, L), which is what accumulation (H2O) needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from epikv.integration.arch import ArchSpec, decoder_layers, rotate_half
+
+MODES = ("recompute", "eager")
+CHUNK = 256  # query rows scored at once when recomputing (bounds memory to CHUNK x L per head)
+
+
+class AttentionCapture:
+    """Collects attention rows of the new tokens at ``layers`` for one attached cache."""
+
+    def __init__(
+        self, model: nn.Module, spec: ArchSpec, layers: tuple[int, ...], rows: int, mode: str
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
+        self.model, self.spec, self.layers, self.rows, self.mode = model, spec, layers, max(rows, 1), mode
+        self._queries: dict[int, torch.Tensor] = {}
+        self._weights: dict[int, torch.Tensor] = {}
+        self._previous_impl: str | None = None
+        self.active = False
+
+    def install(self) -> list[Any]:
+        handles = []
+        for index in self.layers:
+            attn = decoder_layers(self.model)[index].self_attn
+            if self.mode == "recompute":
+                handles.append(attn.register_forward_pre_hook(self._pre(index), with_kwargs=True))
+            else:
+                handles.append(attn.register_forward_hook(self._post(index)))
+        if self.mode == "eager":
+            self._previous_impl = self.model.config._attn_implementation
+            self.model.set_attn_implementation("eager")
+        return handles
+
+    def restore(self) -> None:
+        if self._previous_impl is not None:
+            self.model.set_attn_implementation(self._previous_impl)
+            self._previous_impl = None
+
+    def _pre(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if not self.active:
+                return
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            with torch.no_grad():
+                q = module.q_proj(hidden).view(*hidden.shape[:2], -1, module.head_dim)
+                if self.spec.q_norm is not None:
+                    q = getattr(module, self.spec.q_norm)(q)
+                q = q.transpose(1, 2)
+                self._queries[index] = q * cos[:, None] + rotate_half(q) * sin[:, None]
+
+        return hook
+
+    def _post(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self.active and isinstance(output, tuple) and output[1] is not None:
+                self._weights[index] = output[1].detach()
+
+        return hook
+
+    def collect(self, keys: dict[int, torch.Tensor], valid: torch.Tensor) -> tuple[dict, dict]:
+        """Rows of the last ``rows`` new queries and the column sums over all new queries, per layer.
+
+        keys: layer -> (B, H, L, D) cached keys after this step's update; valid: (B, L)."""
+        rows, colsum = {}, {}
+        for index in self.layers:
+            if self.mode == "eager":
+                weights = self._weights.pop(index).float()
+                rows[index] = weights[:, :, -self.rows :]
+                colsum[index] = weights.sum(dim=2)
+            else:
+                rows[index], colsum[index] = attention_rows(
+                    self._queries.pop(index), keys[index], valid, self.rows
+                )
+        return rows, colsum
+
+
+def attention_rows(
+    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, last: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q.K^T / sqrt(D)) of new queries (B, Hq, q, D) against all cached keys (B, H, L, D),
+    where the new tokens are the last q slots (causal among them) and ``valid`` (B, L) masks holes.
+    Returns the last ``last`` rows (B, Hq, min(q, last), L) and the sum of all rows (B, Hq, L)."""
+    b, hq, q, d = queries.shape
+    length = keys.shape[2]
+    k = keys.float().repeat_interleave(hq // keys.shape[1], dim=1)
+    slots = torch.arange(length, device=keys.device)
+    colsum = torch.zeros(b, hq, length, device=keys.device)
+    tail = []
+    for lo in range(0, q, CHUNK):  # one chunk in decoding; bounded memory for long prefills
+        hi = min(lo + CHUNK, q)
+        logits = torch.einsum("bhqd,bhld->bhql", queries[:, :, lo:hi].float(), k) / d**0.5
+        query_slot = (length - q + torch.arange(lo, hi, device=keys.device))[:, None]
+        visible = (slots[None, :] <= query_slot)[None, None] & valid[:, None, None, :]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        colsum += probs.sum(dim=2)
+        if hi > q - last:
+            tail.append(probs[:, :, max(lo, q - last) - lo :])
+    return torch.cat(tail, dim=2), colsum
