@@ -135,9 +135,14 @@ class BudgetedCache(Cache):
         self._pending = positions.masked_fill(~new_valid, -1).to(torch.int32)
 
     def end_step(self, signals: StepSignals) -> None:
+        signals.buffers = self.buffers
+        total = self.valid.shape[-1]
         for name, value in self.policy.observe(self.state, signals).items():
             old = self.buffers.get(name)
-            self.buffers[name] = value if old is None else torch.cat([old, value.to(old.dtype)], dim=-1)
+            if old is None or value.shape[-1] == total:
+                self.buffers[name] = value
+            else:
+                self.buffers[name] = torch.cat([old, value.to(old.dtype)], dim=-1)
         self.seen = self.seen + signals.valid.sum(dim=-1)
         self.peak = torch.maximum(self.peak, self.valid.sum(dim=-1))
         if not signals.prefill:

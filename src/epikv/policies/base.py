@@ -64,7 +64,8 @@ class StepSignals:
     left padding); positions: (B, q) true positions; prefill: first pass of the generation;
     attention: layer -> (B, Hq, w, L) attention rows of the last w = ``Needs.attention_queries`` new
     tokens over the cache after the update; attention_colsum: layer -> (B, Hq, L) the rows of all new
-    tokens summed (only for policies that declare attention layers).
+    tokens summed (only for policies that declare attention layers); buffers: the cache's stored
+    per-token values before this step (name -> (G, B, H, L_old)).
     """
 
     hidden: dict[int, torch.Tensor]
@@ -73,6 +74,7 @@ class StepSignals:
     prefill: bool
     attention: dict[int, torch.Tensor] = field(default_factory=dict)
     attention_colsum: dict[int, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class CacheView(Protocol):
@@ -166,7 +168,10 @@ class Policy:
         return None
 
     def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
-        """Per-token values for the new tokens, name -> (G, B, H, q), stored aligned with the slots."""
+        """Per-token values stored aligned with the slots, name -> (G, B, H, n).
+
+        n = q (the new tokens only) appends to the stored buffer; n = L_old + q (every slot, as
+        when accumulating attention) replaces it. Return every buffer at every step."""
         return {}
 
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
