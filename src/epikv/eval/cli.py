@@ -1,0 +1,174 @@
+"""Command-line glue for `epikv eval` and `epikv report`.
+
+Owns argument parsing and turning arguments into `EvalConfig`s (one per policy × budget); the
+top-level `epikv` parser lives in `epikv.cli` and calls `add_eval_parser` / `add_report_parser`.
+The model is reached only through `_default_generator_factory`, which imports the engine lazily so
+that argument parsing, reports and tests never load a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from epikv.eval.config import EvalConfig
+from epikv.eval.protocol import EngineFactory, Generator, GeneratorFactory
+from epikv.eval.report import report
+from epikv.eval.runner import run_eval
+
+
+def _default_generator_factory(model_name: str | None) -> EngineFactory:
+    """The engine's `make_generator` with the model bound: (policy, budget, interval, policy_params)."""
+    from epikv.generation import make_generator
+
+    def bound(policy: str, budget: int | None, interval: int | None, params: dict[str, Any]) -> Generator:
+        return make_generator(model_name, policy, budget, interval, params)
+
+    return bound
+
+
+def parse_budget(text: str) -> int | None:
+    """`full` or `0` means no eviction (None); otherwise a positive token count."""
+    if text.lower() in {"full", "0"}:
+        return None
+    try:
+        budget = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"budget must be a positive integer or 'full', got {text!r}"
+        ) from err
+    if budget < 0:
+        raise argparse.ArgumentTypeError(f"budget must be a positive integer or 'full', got {text!r}")
+    return budget
+
+
+def parse_policy_param(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE`; VALUE is read as JSON when it parses (numbers, booleans, lists), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"policy parameter must look like KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `eval` to an argparse subparsers object; the handler is set as `func`."""
+    parser = subparsers.add_parser("eval", help="evaluate KV-cache policies on a math benchmark")
+    parser.add_argument("--model", default=None, help="model name or path (engine default if omitted)")
+    parser.add_argument(
+        "--dataset", required=True, help="math500, aime2024, amc2023, gsm8k, a .jsonl or hf:NAME"
+    )
+    parser.add_argument("--policy", action="append", required=True, help="eviction policy (repeatable)")
+    parser.add_argument(
+        "--budget", action="append", type=parse_budget, required=True, help="KV budget in tokens, or full/0"
+    )
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's cap")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--shard", default=None, help="I/N: run examples with index %% N == I")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--samples", type=int, default=1, help="samples per problem (pass@1 = mean)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interval", type=int, default=None, help="eviction interval in decode steps")
+    parser.add_argument(
+        "--policy-param", action="append", type=parse_policy_param, default=[], metavar="KEY=VALUE"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.set_defaults(func=eval_command)
+    return parser
+
+
+def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `report` to an argparse subparsers object; the handler is set as `func`."""
+    parser = subparsers.add_parser("report", help="tabulate and plot finished runs")
+    parser.add_argument("dirs", nargs="+", help="run folders or folders containing them")
+    parser.add_argument("--plots", default=None, help="write PNG figures into this folder")
+    parser.set_defaults(func=report_command)
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
+    """One config per (policy, budget), in the order given; duplicates are dropped."""
+    base = EvalConfig(
+        dataset=args.dataset,
+        policy=args.policy[0],
+        out=args.out,
+        model=args.model,
+        limit=args.limit,
+        offset=args.offset,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        n_samples=args.samples,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        shard=args.shard,
+        interval=args.interval,
+        policy_params=dict(args.policy_param),
+        progress=not args.no_progress,
+    )
+    pairs = dict.fromkeys((p, b) for p in args.policy for b in args.budget)
+    return [dataclasses.replace(base, policy=p, budget=b) for p, b in pairs]
+
+
+def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) -> int:
+    """Runs every (policy, budget) config, then prints the table of the runs it touched."""
+    try:
+        configs = configs_from_args(args)
+    except ValueError as err:
+        raise SystemExit(f"epikv eval: {err}") from err
+    # Resolved at call time so tests can replace the module-level factory.
+    engine = engine or _default_generator_factory(args.model)
+    folders = []
+    for config in configs:
+        factory: GeneratorFactory = _bind(engine, config)
+        outcome = run_eval(config, factory)
+        folders.append(outcome.folder)
+        accuracy = outcome.summary["accuracy"]
+        shown = "–" if accuracy is None else f"{accuracy:.3f}"
+        print(f"{outcome.folder}: generated {outcome.generated}, accuracy {shown}")
+    print(report(folders))
+    return 0
+
+
+def _bind(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:
+    def factory(policy: str, budget: int | None) -> Generator:
+        return engine(policy, budget, config.interval, config.policy_params)
+
+    return factory
+
+
+def report_command(args: argparse.Namespace) -> int:
+    print(report(args.dirs, plots=args.plots))
+    if args.plots:
+        for path in sorted(Path(args.plots).glob("*.png")):
+            print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A standalone parser with both subcommands (for `python -m epikv.eval.cli` and tests)."""
+    parser = argparse.ArgumentParser(prog="epikv")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(subparsers)
+    add_report_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

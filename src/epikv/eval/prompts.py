@@ -1,0 +1,14 @@
+"""The paper's prompt protocol (§1.9): a fixed system message, then the problem as the user turn."""
+
+from __future__ import annotations
+
+from epikv.eval.protocol import Messages
+
+PAPER_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def build_messages(problem: str, system_prompt: str | None = PAPER_SYSTEM_PROMPT) -> Messages:
+    """Chat messages for one problem; `system_prompt=None` or "" sends the user message only."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": problem})
+    return messages

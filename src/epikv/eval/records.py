@@ -1,0 +1,150 @@
+"""Per-example results and the files that hold them.
+
+Owns the `ExampleResult` record, its JSONL files (`results.jsonl`, or `results.shard-I-of-N.jsonl`
+per shard) and their crash-safety rules: each record is one line written with a single write, then
+flushed and fsynced, so a kill loses at most the examples in flight and can leave at most one torn
+last line, which `repair_tail` truncates and readers ignore. Merging dedupes by (id, sample) and
+refuses conflicting duplicates. It does not grade or compute metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+RESULTS_GLOB = "results*.jsonl"
+# Fields that must agree between two copies of the same (id, sample); timings may differ.
+_CONTENT_FIELDS = ("correct", "extracted", "gold", "tokens_generated", "finish_reason")
+
+
+@dataclass(frozen=True)
+class ExampleResult:
+    """One graded generation; one JSON line in a results file.
+
+    `seconds` is this sequence's share of its generate call (call seconds / sequences in the call),
+    so summing it over a run gives the run's generation wall time.
+    """
+
+    id: str
+    sample: int
+    correct: bool
+    extracted: str | None
+    gold: str
+    tokens_generated: int
+    prompt_tokens: int
+    finish_reason: str
+    cap_hit: bool
+    loop: bool
+    loop_onset: int | None
+    loop_period: int | None
+    seconds: float
+    call_seconds: float
+    batch_size: int
+    peak_cache_tokens: int
+    final_cache_tokens: int
+    evictions: int
+    text: str
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.id, self.sample
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExampleResult:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(data)
+        if missing:
+            raise ValueError(f"result record lacks field(s) {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def results_filename(shard_index: int, shard_count: int) -> str:
+    if shard_count == 1:
+        return "results.jsonl"
+    return f"results.shard-{shard_index}-of-{shard_count}.jsonl"
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def repair_tail(path: Path) -> int:
+    """Truncates a torn or unparseable last line left by a kill; returns the bytes removed.
+
+    Only the writer of a file may call this (other processes may be appending to theirs).
+    """
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    keep = len(data)
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+    elif data:
+        previous_end = data.rfind(b"\n", 0, len(data) - 1) + 1
+        if not _parses(data[previous_end:]):
+            keep = previous_end
+    if keep < len(data):
+        with path.open("r+b") as handle:
+            handle.truncate(keep)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return len(data) - keep
+
+
+def read_results(path: Path) -> list[ExampleResult]:
+    """The records of one file, ignoring a torn last line; a bad line elsewhere is an error."""
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(ExampleResult.from_dict(json.loads(line)))
+        except ValueError as err:
+            if number >= len(lines) - 1:
+                continue  # the last line may be torn by a kill mid-write
+            raise ValueError(f"{path}:{number}: corrupt result line ({err})") from err
+    return records
+
+
+def append_result(handle: IO[str], record: ExampleResult) -> None:
+    """Writes one line in a single write, then flushes and fsyncs, so it survives a kill."""
+    handle.write(record.to_json() + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def merge_results(groups: Iterable[Iterable[ExampleResult]], source: str = "") -> list[ExampleResult]:
+    """Records deduplicated by (id, sample); conflicting duplicates raise ValueError."""
+    merged: dict[tuple[str, int], ExampleResult] = {}
+    for records in groups:
+        for record in records:
+            seen = merged.get(record.key)
+            if seen is None:
+                merged[record.key] = record
+                continue
+            conflicts = [f for f in _CONTENT_FIELDS if getattr(seen, f) != getattr(record, f)]
+            if conflicts:
+                raise ValueError(
+                    f"{source}: example {record.id!r} sample {record.sample} appears twice with "
+                    f"different {', '.join(conflicts)}"
+                )
+    return list(merged.values())
+
+
+def load_run_results(folder: Path) -> list[ExampleResult]:
+    """Every record in a run folder, all shard files merged."""
+    files = sorted(folder.glob(RESULTS_GLOB))
+    return merge_results((read_results(path) for path in files), source=str(folder))

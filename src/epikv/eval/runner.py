@@ -1,0 +1,189 @@
+"""Running one evaluation config: plan, generate in batches, grade, record, summarise.
+
+Owns the run folder's life cycle: config check (resume vs. mismatch), the list of (example, sample)
+pairs this shard still owes, batched calls to the generator, and appending each graded record as it
+finishes. It never grades by itself (the task does) and never knows the model or policy beyond the
+names it passes to the generator factory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm.auto import tqdm
+
+from epikv.eval.config import EvalConfig, check_compatible, parse_shard, resolve, run_dir, saved_form
+from epikv.eval.loops import LoopConfig, detect_loop
+from epikv.eval.metrics import summarize
+from epikv.eval.prompts import build_messages
+from epikv.eval.protocol import GeneratorFactory, SequenceResultLike, make_sampling
+from epikv.eval.records import (
+    ExampleResult,
+    append_result,
+    load_run_results,
+    repair_tail,
+    results_filename,
+)
+from epikv.eval.tasks import Example, Task, load_task
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    example: Example
+    sample: int
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    folder: Path
+    config: EvalConfig
+    generated: int
+    summary: dict[str, Any]
+
+
+def plan_work(
+    task: Task, n_samples: int, shard: tuple[int, int], done: set[tuple[str, int]]
+) -> list[WorkItem]:
+    """The (example, sample) pairs this shard owes, sample-major so a partial run covers every problem.
+
+    Shard I of N takes the examples at positions p (within the sliced task) with p % N == I.
+    """
+    index, count = shard
+    return [
+        WorkItem(example, sample)
+        for sample in range(n_samples)
+        for position, example in enumerate(task)
+        if position % count == index and (example.id, sample) not in done
+    ]
+
+
+def batches(items: Sequence[WorkItem], batch_size: int) -> Iterator[list[WorkItem]]:
+    """Consecutive groups of at most `batch_size` items; a group never mixes sample indices,
+    because each sample index is generated under its own seed."""
+    group: list[WorkItem] = []
+    for item in items:
+        if group and (len(group) == batch_size or group[0].sample != item.sample):
+            yield group
+            group = []
+        group.append(item)
+    if group:
+        yield group
+
+
+def make_record(
+    task: Task, item: WorkItem, result: SequenceResultLike, batch_size: int, loop_config: LoopConfig
+) -> ExampleResult:
+    grade = task.evaluate(item.example, result.text)
+    loop = detect_loop(result.token_ids, loop_config)
+    return ExampleResult(
+        id=item.example.id,
+        sample=item.sample,
+        correct=grade.correct,
+        extracted=grade.extracted,
+        gold=item.example.answer,
+        tokens_generated=result.tokens_generated,
+        prompt_tokens=result.prompt_tokens,
+        finish_reason=result.finish_reason,
+        cap_hit=result.finish_reason == "length",
+        loop=loop is not None,
+        loop_onset=None if loop is None else loop.onset,
+        loop_period=None if loop is None else loop.period,
+        seconds=result.seconds / batch_size,
+        call_seconds=result.seconds,
+        batch_size=batch_size,
+        peak_cache_tokens=result.peak_cache_tokens,
+        final_cache_tokens=result.final_cache_tokens,
+        evictions=result.evictions,
+        text=result.text,
+    )
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def prepare_folder(folder: Path, config: EvalConfig) -> None:
+    """Creates the run folder, or checks a saved config.json against `config` before resuming."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / "config.json"
+    current = saved_form(config)
+    if config_path.exists():
+        check_compatible(json.loads(config_path.read_text(encoding="utf-8")), current, folder)
+    _write_json_atomic(config_path, current)
+
+
+@contextmanager
+def _exclusive_append(path: Path) -> Iterator[IO[str]]:
+    """Opens `path` for appending under an exclusive lock: two writers of one shard file would
+    duplicate examples, so the second one fails fast instead."""
+    with path.open("a", encoding="utf-8") as handle:
+        try:
+            import fcntl
+        except ModuleNotFoundError:  # not POSIX: no advisory locks, rely on the user
+            yield handle
+            return
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise RuntimeError(f"another process is already writing {path}") from err
+        yield handle
+
+
+def _generate_all(
+    config: EvalConfig, task: Task, work: list[WorkItem], factory: GeneratorFactory, handle: IO[str]
+) -> None:
+    generator = factory(config.policy, config.budget)
+    loop_config = LoopConfig()
+    correct = finished = 0
+    label = f"{task.name} {config.policy} {config.budget_label}"
+    with tqdm(total=len(work), desc=label, disable=not config.progress) as bar:
+        for group in batches(work, config.batch_size):
+            sampling = make_sampling(
+                max_new_tokens=config.max_new_tokens or task.max_new_tokens,  # resolved by run_eval
+                temperature=config.temperature,
+                top_p=config.top_p,
+                seed=config.seed + group[0].sample,
+            )
+            prompts = [build_messages(item.example.problem, config.system_prompt) for item in group]
+            results = list(generator(prompts, sampling))
+            if len(results) != len(group):
+                raise RuntimeError(f"generator returned {len(results)} results for {len(group)} prompts")
+            for item, result in zip(group, results, strict=True):
+                record = make_record(task, item, result, len(group), loop_config)
+                append_result(handle, record)
+                correct += record.correct
+            finished += len(group)
+            bar.update(len(group))
+            bar.set_postfix(acc=f"{correct / finished:.3f}")
+
+
+def run_eval(config: EvalConfig, make_generator: GeneratorFactory) -> RunOutcome:
+    """Runs (or resumes) one config and writes summary.json; returns what it did.
+
+    Finished (id, sample) pairs found in any results file of the folder are skipped. The generator
+    is only built when something is left to generate, so a finished run never loads a model.
+    """
+    task = load_task(config.dataset).slice(config.offset, config.limit)
+    config = resolve(config, task.max_new_tokens)
+    folder = run_dir(config, task.name)
+    prepare_folder(folder, config)
+    shard = parse_shard(config.shard)
+    results_path = folder / results_filename(*shard)
+    with _exclusive_append(results_path) as handle:
+        repair_tail(results_path)
+        done = {record.key for record in load_run_results(folder)}
+        work = plan_work(task, config.n_samples, shard, done)
+        if work:
+            _generate_all(config, task, work, make_generator, handle)
+    summary = summarize(load_run_results(folder))
+    summary["n_expected"] = len(task) * config.n_samples
+    _write_json_atomic(folder / "summary.json", summary)
+    return RunOutcome(folder, config, len(work), summary)

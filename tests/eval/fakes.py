@@ -1,0 +1,63 @@
+"""Fake generators standing in for the engine: scripted answers, and a log of every call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from epikv.eval.protocol import Messages
+
+
+@dataclass
+class FakeResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int = 10
+    tokens_generated: int = 0
+    finish_reason: str = "eos"
+    peak_cache_tokens: int = 0
+    final_cache_tokens: int = 0
+    evictions: int = 0
+    seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.tokens_generated = self.tokens_generated or len(self.token_ids)
+
+
+def boxed(answer: str, n_tokens: int = 20) -> FakeResult:
+    return FakeResult(
+        text=f"Reasoning... so the answer is \\boxed{{{answer}}}.", token_ids=list(range(n_tokens))
+    )
+
+
+@dataclass
+class FakeGenerator:
+    """Answers each prompt with `respond(problem)`; records the problems and sampling of each call."""
+
+    respond: Callable[[str], FakeResult]
+    calls: list[tuple[list[str], Any]] = field(default_factory=list)
+    fail_after_calls: int | None = None
+
+    @property
+    def problems_asked(self) -> list[str]:
+        return [problem for problems, _ in self.calls for problem in problems]
+
+    def __call__(self, prompts: list[Messages], sampling: Any) -> Sequence[FakeResult]:
+        if self.fail_after_calls is not None and len(self.calls) >= self.fail_after_calls:
+            raise KeyboardInterrupt("simulated kill")
+        problems = [messages[-1]["content"] for messages in prompts]
+        self.calls.append((problems, sampling))
+        return [self.respond(problem) for problem in problems]
+
+
+@dataclass
+class FakeFactory:
+    """A GeneratorFactory that hands out one shared FakeGenerator and records what it was asked for."""
+
+    generator: FakeGenerator
+    requested: list[tuple[str, int | None]] = field(default_factory=list)
+
+    def __call__(self, policy: str, budget: int | None) -> FakeGenerator:
+        self.requested.append((policy, budget))
+        return self.generator

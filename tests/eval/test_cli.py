@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epikv.eval import cli
+from epikv.eval.cli import add_eval_parser, add_report_parser, parse_budget
+from epikv.eval.tasks import load_task
+
+from .fakes import FakeGenerator, FakeResult, boxed
+
+GSM3 = load_task("gsm8k").slice(limit=3)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="epikv")
+    subparsers = top.add_subparsers(dest="command", required=True)
+    add_eval_parser(subparsers)
+    add_report_parser(subparsers)
+    return top
+
+
+class RecordingEngine:
+    """Stands in for the engine's make_generator with the model bound: answers 2 of 3 problems right."""
+
+    def __init__(self) -> None:
+        self.built: list[tuple[str, int | None, int | None, dict[str, Any]]] = []
+        self.model_names: list[str | None] = []
+
+    def factory_for(self, model_name: str | None) -> RecordingEngine:
+        self.model_names.append(model_name)
+        return self
+
+    def __call__(self, policy: str, budget: int | None, interval: int | None, params: dict[str, Any]) -> Any:
+        self.built.append((policy, budget, interval, params))
+        gold = {e.problem: e.answer for e in GSM3}
+
+        def respond(problem: str) -> FakeResult:
+            return boxed("-1") if problem == GSM3[2].problem else boxed(gold[problem])
+
+        return FakeGenerator(respond)
+
+
+def test_parse_budget() -> None:
+    assert parse_budget("full") is None and parse_budget("0") is None and parse_budget("512") == 512
+    with pytest.raises(argparse.ArgumentTypeError, match="'-3'"):
+        parse_budget("-3")
+
+
+def test_eval_end_to_end_on_three_gsm8k_problems(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = RecordingEngine()
+    monkeypatch.setattr(cli, "_default_generator_factory", engine.factory_for)
+    argv = [
+        "eval", "--model", "tiny", "--dataset", "gsm8k", "--policy", "h2o", "--policy", "epikv",
+        "--budget", "256", "--budget", "full", "--limit", "3", "--batch-size", "2", "--interval", "16",
+        "--policy-param", "window=32", "--policy-param", "mode=fast", "--no-progress", "--out", str(tmp_path),
+    ]  # fmt: skip
+    args = parser().parse_args(argv)
+    assert args.func(args) == 0
+    assert engine.model_names == ["tiny"]
+    assert engine.built == [
+        ("h2o", 256, 16, {"window": 32, "mode": "fast"}),
+        ("h2o", None, 16, {"window": 32, "mode": "fast"}),
+        ("epikv", 256, 16, {"window": 32, "mode": "fast"}),
+        ("epikv", None, 16, {"window": 32, "mode": "fast"}),
+    ]
+    for policy in ("h2o", "epikv"):
+        for label in ("K256", "Kfull"):
+            summary = json.loads((tmp_path / "gsm8k" / policy / label / "summary.json").read_text())
+            assert summary["n"] == 3 and summary["accuracy"] == pytest.approx(2 / 3)
+    out = capsys.readouterr().out
+    assert "| gsm8k | h2o | 256 | 3 | 66.7 [" in out and "| gsm8k | epikv | full | 3 | 66.7 [" in out
+
+    args = parser().parse_args(["report", str(tmp_path), "--plots", str(tmp_path / "plots")])
+    assert args.func(args) == 0
+    assert "| gsm8k | epikv | 256 | 3 | 66.7 [" in capsys.readouterr().out
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+
+
+def test_eval_rejects_bad_arguments_before_loading_anything(tmp_path: Path) -> None:
+    engine = RecordingEngine()
+    args = parser().parse_args(
+        [
+            "eval",
+            "--dataset",
+            "gsm8k",
+            "--policy",
+            "h2o",
+            "--budget",
+            "64",
+            "--shard",
+            "2/2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    with pytest.raises(SystemExit, match="shard"):
+        cli.eval_command(args, engine=engine)
+    assert engine.built == []
+
+
+def test_sampling_options_reach_the_config() -> None:
+    args = parser().parse_args(
+        ["eval", "--dataset", "aime2024", "--policy", "p", "--budget", "1024", "--temperature", "0.6",
+         "--top-p", "0.95", "--samples", "4", "--shard", "1/4", "--out", "o"]
+    )  # fmt: skip
+    (config,) = cli.configs_from_args(args)
+    assert (config.temperature, config.top_p, config.n_samples, config.shard) == (0.6, 0.95, 4, "1/4")
+    assert config.budget == 1024 and config.max_new_tokens is None

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from epikv.eval.metrics import METRICS, summarize, wilson_interval
+from epikv.eval.records import ExampleResult
+
+
+def record(
+    example_id: str, correct: bool, *, tokens: int = 100, cap_hit: bool = False, loop: bool = False,
+    seconds: float = 1.0, sample: int = 0,
+) -> ExampleResult:  # fmt: skip
+    return ExampleResult(
+        id=example_id, sample=sample, correct=correct, extracted="1", gold="1", tokens_generated=tokens,
+        prompt_tokens=5, finish_reason="length" if cap_hit else "eos", cap_hit=cap_hit, loop=loop,
+        loop_onset=0 if loop else None, loop_period=1 if loop else None, seconds=seconds,
+        call_seconds=seconds, batch_size=1, peak_cache_tokens=tokens, final_cache_tokens=tokens,
+        evictions=0, text="",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("successes", "n", "low", "high"),
+    [
+        # Reference values: the roots π of (k/n − π)² = z²·π(1 − π)/n, solved by bisection by hand,
+        # independently of the closed form in wilson_interval.
+        (7, 10, 0.39678, 0.89221),
+        (0, 10, 0.0, 0.27753),
+        (10, 10, 0.72247, 1.0),
+        (50, 100, 0.40383, 0.59617),
+    ],
+)
+def test_wilson_interval_against_hand_values(successes: int, n: int, low: float, high: float) -> None:
+    got_low, got_high = wilson_interval(successes, n)
+    assert got_low == pytest.approx(low, abs=1e-5)
+    assert got_high == pytest.approx(high, abs=1e-5)
+
+
+def test_wilson_interval_rejects_impossible_counts() -> None:
+    with pytest.raises(ValueError, match="successes=11"):
+        wilson_interval(11, 10)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_summary_arithmetic() -> None:
+    records = [
+        record("a", True, tokens=100, seconds=2.0),
+        record("b", False, tokens=300, cap_hit=True, loop=True, seconds=6.0),
+        record("c", True, tokens=200, seconds=4.0),
+        record("d", False, tokens=400, cap_hit=True, seconds=8.0),
+    ]
+    summary = summarize(records)
+    assert summary["n"] == 4 and summary["n_correct"] == 2
+    assert summary["accuracy"] == 0.5
+    assert summary["cap_hit_rate"] == 0.5
+    assert summary["loop_rate"] == 0.25
+    assert summary["accuracy_finished"] == 1.0
+    assert summary["mean_tokens"] == 250
+    assert summary["seconds_per_problem"] == 5.0
+    assert summary["tokens_per_second"] == 1000 / 20
+    assert summary["accuracy_ci95"] == list(wilson_interval(2, 4))
+
+
+def test_pass_at_1_over_samples_and_seconds_per_problem() -> None:
+    records = [record("a", s < 3, sample=s, seconds=1.0) for s in range(4)]
+    records += [record("b", s < 1, sample=s, seconds=1.0) for s in range(4)]
+    summary = summarize(records)
+    assert summary["accuracy"] == pytest.approx((3 / 4 + 1 / 4) / 2)
+    assert summary["n_problems"] == 2
+    assert summary["seconds_per_problem"] == 4.0
+
+
+def test_empty_run_has_no_values() -> None:
+    summary = summarize([])
+    assert summary["n"] == 0 and summary["accuracy"] is None and summary["tokens_per_second"] is None
+
+
+def test_metrics_describe_themselves() -> None:
+    described = summarize([record("a", True)])["metrics"]
+    assert set(described) == {m.name for m in METRICS}
+    assert described["accuracy"]["higher_is_better"] is True
+    assert described["cap_hit_rate"]["higher_is_better"] is False
+    assert all(dataclasses.is_dataclass(m) for m in METRICS)
