@@ -526,7 +526,7 @@ def is_embedded_name(name: str | None) -> bool:
 def load_model(
     name: str | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
     device: str | None = None,
@@ -536,12 +536,14 @@ def load_model(
     Args:
         name: ``None`` or ``"smollm2-135m"`` for the embedded model; else a local model folder or a
             Hugging Face hub id.
-        dtype: dtype of the returned weights (the embedded model's cached copy is float32).
+        dtype: dtype of the returned weights; ``None`` = bfloat16 on a GPU, float32 on the CPU (the
+            embedded model's cached copy is float32).
         attn_implementation: passed to transformers and checked afterwards; an implementation the model
             does not support is an error, never a silent switch to ``"eager"``.
         cache_dir: EpiKV's cache folder for the converted embedded model (see :func:`model_cache_dir`);
             not used for other models, which use the Hugging Face cache.
-        device: move the model there (e.g. ``"cuda"``); left on the CPU when ``None``.
+        device: move the model there (e.g. ``"cuda"``); ``None`` = the first GPU if there is one,
+            else the CPU.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode; the tokenizer padding on the left, with eos and
@@ -553,8 +555,11 @@ def load_model(
         RuntimeError: the embedded tokenizer cannot be made to round-trip, or the attention
             implementation was not applied.
     """
-    if device is not None:
-        torch.device(device)  # fail early on a malformed device string
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.device(device)  # fail early on a malformed device string
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if name is None or is_embedded_name(name):
         model, tokenizer = _load_embedded(dtype, attn_implementation, cache_dir)
     else:
@@ -567,6 +572,6 @@ def load_model(
             f"but {model_identity(model)} uses {actual!r}"
         )
     model.eval()
-    if device is not None:
+    if torch.device(device).type != "cpu":
         model.to(device)
     return model, tokenizer

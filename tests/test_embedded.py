@@ -1,0 +1,38 @@
+"""The cache on the embedded SmolLM2-135M-Instruct (real weights, no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import epikv
+from epikv.generation import SamplingConfig, encode_prompts, generate
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from epikv.models import load_model
+
+    return load_model()
+
+
+def test_no_eviction_equals_plain_cache(smol):
+    model, tok = smol
+    ids, _ = encode_prompts(tok, ["Name three prime numbers."])
+    ref = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, cache=DynamicCache())
+    for name in ("epikv", "epikv-flat"):
+        with epikv.attach(model, name, budget=4096) as cache:
+            out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, cache=cache)
+        assert torch.equal(out, ref), name
+
+
+def test_eviction_is_bounded_and_keeps_true_positions(smol):
+    model, tok = smol
+    budget = 64
+    result = generate(model, tok, ["Count from one to fifty in words."], "epikv-flat", budget,
+                      SamplingConfig(max_new_tokens=96, ignore_eos=True))[0]
+    assert result.tokens_generated == 96
+    assert result.final_cache_tokens == budget and result.peak_cache_tokens == budget + 1
+    assert result.evictions == result.prompt_tokens + 95 - budget
+    assert model.config._attn_implementation == "sdpa"
