@@ -30,8 +30,14 @@ def test_no_eviction_equals_plain_cache(smol):
 def test_eviction_is_bounded_and_keeps_true_positions(smol):
     model, tok = smol
     budget = 64
-    result = generate(model, tok, ["Count from one to fifty in words."], "epikv-flat", budget,
-                      SamplingConfig(max_new_tokens=96, ignore_eos=True))[0]
+    result = generate(
+        model,
+        tok,
+        ["Count from one to fifty in words."],
+        "epikv-flat",
+        budget,
+        SamplingConfig(max_new_tokens=96, ignore_eos=True),
+    )[0]
     assert result.tokens_generated == 96
     assert result.final_cache_tokens == budget and result.peak_cache_tokens == budget + 1
     assert result.evictions == result.prompt_tokens + 95 - budget

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from epikv.policies import policy_class, policy_names
+from epikv.policies import ALIASES, policy_class, policy_names
 
 
 def parse_params(pairs: list[str]) -> dict[str, Any]:
@@ -131,6 +131,8 @@ def _add_policies(sub: argparse._SubParsersAction) -> None:
 
 def cmd_policies(args: argparse.Namespace) -> int:
     rows = [policy_class(name).describe() for name in policy_names()]
+    for row in rows:
+        row["aliases"] = sorted(alias for alias, target in ALIASES.items() if target == row["name"])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -138,7 +140,8 @@ def cmd_policies(args: argparse.Namespace) -> int:
     for row in rows:
         needs = ", ".join(k for k, v in row["needs"].items() if v) or "-"
         defaults = ", ".join(f"{k}={v}" for k, v in row["defaults"].items())
-        print(f"| `{row['name']}` | {needs} | {defaults} | {row['source'] or '-'} |")
+        name = " = ".join(f"`{n}`" for n in [*row["aliases"], row["name"]])
+        print(f"| {name} | {needs} | {defaults} | {row['source'] or '-'} |")
     return 0
 
 

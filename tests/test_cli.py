@@ -1,0 +1,88 @@
+"""CLI: argument handling and the policy listing (generation itself is covered in test_embedded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epikv.cli import main, parse_params
+from epikv.policies import policy_names
+
+
+def test_policies_json_lists_every_policy_with_needs(capsys):
+    assert main(["policies", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted(r["name"] for r in rows) == policy_names()
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["epikv-segq"]["aliases"] == ["epikv"]
+    assert by_name["epikv-segq"]["needs"] == {
+        "hidden_states": True,
+        "recent_queries": True,
+        "attention_weights": False,
+    }
+    assert by_name["epikv-flat"]["defaults"]["window"] == 64
+    assert by_name["streaming"]["defaults"]["n_sink"] == 4
+
+
+def test_parse_params():
+    assert parse_params(["window=32", "band_mode=a_only", "fill=true", "weight=0.5"]) == {
+        "window": 32,
+        "band_mode": "a_only",
+        "fill": True,
+        "weight": 0.5,
+    }
+    with pytest.raises(ValueError, match="key=value"):
+        parse_params(["window"])
+
+
+def test_unknown_policy_is_a_clear_error(capsys):
+    assert main(["generate", "--policy", "epikv-flt", "hello"]) == 2
+    assert "did you mean 'epikv-flat'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--budget", "0", "hello"], "budget must be a positive"),
+        (["generate", "--budget", "8", "hello"], "cannot hold the protected tokens"),
+        (["generate", "   "], "prompt 0 is empty"),
+    ],
+)
+def test_bad_generate_input(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_json_reports_the_cache(capsys):
+    argv = [
+        "generate",
+        "--json",
+        "--policy",
+        "epikv-flat",
+        "--budget",
+        "48",
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+        "Say hi.",
+    ]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in (
+        "text",
+        "prompt_tokens",
+        "tokens_generated",
+        "peak_cache_tokens",
+        "final_cache_tokens",
+        "evictions",
+        "finish_reason",
+        "seconds",
+        "tokens_per_second",
+        "attn_implementation",
+        "policy",
+    ):
+        assert key in report
+    assert report["attn_implementation"] == "sdpa" and report["tokens_generated"] == 20
+    assert report["policy"]["name"] == "epikv-flat" and report["policy"]["band_a"] is not None
+    assert report["peak_cache_tokens"] <= 49
