@@ -35,3 +35,21 @@ def test_extract_boxed(text: str, expected: str | None) -> None:
 
 def test_no_fallback_to_last_number() -> None:
     assert extract_boxed("Therefore x = 17, final answer 17") is None
+
+
+def test_gsm8k_flexible_fallback():
+    from epikv.eval.extract import extract_final_number
+
+    assert extract_final_number("so 3 + 4 = 7.\n#### 2,800\nThe answer is: 12") == "12"
+    assert extract_final_number("She pays $18.\n#### $1,200") == "1,200"
+    assert extract_final_number("Total is 5 apples and 12 pears, so 17.") == "17"
+    assert extract_final_number("the box wins \\boxed{42} then 7") == "42"
+    assert extract_final_number("no digits here") is None
+
+
+def test_gsm8k_task_uses_fallback_but_math_does_not():
+    from epikv.eval.tasks import load_task
+
+    gsm, math = load_task("gsm8k"), load_task("math500")
+    assert gsm.evaluate(gsm[0], "so she makes $18 a day.\nThe answer is: 18").correct
+    assert not math.evaluate(math[0], "The answer is 3").correct

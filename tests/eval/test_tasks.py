@@ -40,7 +40,10 @@ def test_evaluate_extracts_and_grades() -> None:
     task = load_task("gsm8k")
     first = task[0]  # gold 18
     assert task.evaluate(first, r"... so \boxed{\$18.00}").correct
-    grade = task.evaluate(first, "I think it is 18.")
+    grade = task.evaluate(first, "I think it is 18.")  # GSM8K's flexible fallback: the last number
+    assert grade.extracted == "18" and grade.correct
+    math = load_task("math500")
+    grade = math.evaluate(math[0], "I think it is 3.")
     assert grade.extracted is None and not grade.correct
     negative = next(e for e in task if e.answer == "-10")
     assert task.evaluate(negative, r"\boxed{-10}").correct

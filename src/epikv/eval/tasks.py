@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from epikv.eval.extract import extract_boxed
+from epikv.eval.extract import extract_boxed, extract_final_number
 from epikv.eval.grading import GRADERS
 
 # Length caps of the paper's protocol (§1.9): 8192 new tokens for MATH-500, 16384 for AIME.
@@ -93,8 +93,11 @@ class Task:
         return Task(self.name, self._examples[offset:stop], self.grader, self.max_new_tokens)
 
     def evaluate(self, example: Example, completion: str) -> Grade:
-        """Extracts the final boxed answer from `completion` and grades it against `example.answer`."""
-        extracted = extract_boxed(completion)
+        """Extracts the final answer from `completion` (boxed; for the numeric grader, GSM8K's
+        flexible fallback) and grades it against `example.answer`."""
+        extracted = (
+            extract_final_number(completion) if self.grader == "numeric" else extract_boxed(completion)
+        )
         return Grade(correct=GRADERS[self.grader](extracted, example.answer), extracted=extracted)
 
 
