@@ -82,3 +82,37 @@ def test_report_merges_shards_and_finds_nested_folders(tmp_path: Path) -> None:
 def test_report_without_runs_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no run folders"):
         report([tmp_path])
+
+
+def test_regrade_uses_current_rules(tmp_path):
+    import json
+
+    from epikv.eval.report import report
+
+    folder = tmp_path / "gsm8k" / "full" / "Kfull"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"dataset": "gsm8k", "policy": "full", "budget": None}))
+    row = {
+        "id": "gsm8k-0000",
+        "sample": 0,
+        "correct": False,
+        "extracted": None,
+        "gold": "18",
+        "tokens_generated": 10,
+        "prompt_tokens": 5,
+        "finish_reason": "eos",
+        "cap_hit": False,
+        "loop": False,
+        "loop_onset": None,
+        "loop_period": None,
+        "seconds": 1.0,
+        "call_seconds": 1.0,
+        "batch_size": 1,
+        "peak_cache_tokens": 15,
+        "final_cache_tokens": 15,
+        "evictions": 0,
+        "text": "The answer is: 18",
+    }
+    (folder / "results.jsonl").write_text(json.dumps(row) + "\n")
+    assert "| 0.0 [" in report([tmp_path])
+    assert "| 100.0 [" in report([tmp_path], regrade_text=True)

@@ -92,6 +92,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("report", help="tabulate and plot finished runs")
     parser.add_argument("dirs", nargs="+", help="run folders or folders containing them")
     parser.add_argument("--plots", default=None, help="write PNG figures into this folder")
+    parser.add_argument("--regrade", action="store_true", help="grade the stored completions again")
     parser.set_defaults(func=report_command)
     return parser
 
@@ -148,7 +149,7 @@ def _bind(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    print(report(args.dirs, plots=args.plots))
+    print(report(args.dirs, plots=args.plots, regrade_text=getattr(args, "regrade", False)))
     if args.plots:
         for path in sorted(Path(args.plots).glob("*.png")):
             print(f"wrote {path}")

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from epikv.eval.metrics import summarize
-from epikv.eval.records import RESULTS_GLOB, load_run_results
+from epikv.eval.records import RESULTS_GLOB, ExampleResult, load_run_results
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,26 @@ def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
     return sorted(found)
 
 
-def load_run(folder: Path) -> RunSummary:
-    """Summary of one run folder recomputed from its results files (all shards merged)."""
+def regrade(records: list[ExampleResult], dataset: str) -> list[ExampleResult]:
+    """The records graded again from their stored text with the task's current rules."""
+    from epikv.eval.tasks import load_task
+
+    task = load_task(dataset)
+    examples = {example.id: example for example in task}
+    out = []
+    for record in records:
+        grade = task.evaluate(examples[record.id], record.text)
+        out.append(replace(record, correct=grade.correct, extracted=grade.extracted))
+    return out
+
+
+def load_run(folder: Path, regrade_text: bool = False) -> RunSummary:
+    """Summary of one run folder recomputed from its results files (all shards merged); with
+    ``regrade_text`` the stored completions are graded again (after a grading rule changed)."""
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    records = load_run_results(folder)
+    if regrade_text:
+        records = regrade(records, str(config["dataset"]))
     # The layout is OUT/<dataset>/<policy>/K<budget>/; the dataset label is the folder name,
     # which for a JSONL or hub dataset differs from the `dataset` spec in config.json.
     return RunSummary(
@@ -56,7 +73,7 @@ def load_run(folder: Path) -> RunSummary:
         dataset=folder.parent.parent.name,
         policy=str(config["policy"]),
         budget=config.get("budget"),
-        summary=summarize(load_run_results(folder)),
+        summary=summarize(records),
     )
 
 
@@ -89,12 +106,12 @@ def format_table(runs: Sequence[RunSummary]) -> str:
     return "\n".join(rows)
 
 
-def report(dirs: Sequence[str | Path], plots: str | Path | None = None) -> str:
+def report(dirs: Sequence[str | Path], plots: str | Path | None = None, regrade_text: bool = False) -> str:
     """Markdown table of every run folder under `dirs`; when `plots` is given, also writes the PNGs there."""
     folders = find_run_folders(dirs)
     if not folders:
         raise FileNotFoundError(f"no run folders (config.json + results*.jsonl) under {list(map(str, dirs))}")
-    runs = [load_run(folder) for folder in folders]
+    runs = [load_run(folder, regrade_text) for folder in folders]
     if plots is not None:
         from epikv.eval.plots import draw_all
 
