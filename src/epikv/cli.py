@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_policies(sub)
     for module_name, adders in _EXTENSIONS:
-        if importlib.util.find_spec(module_name.rsplit(".", 1)[0]) is None:
+        if importlib.util.find_spec(module_name) is None:
             continue
         module = importlib.import_module(module_name)
         for adder in adders:
