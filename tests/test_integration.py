@@ -50,8 +50,14 @@ def test_unsupported_models_are_refused():
 def test_band_outside_model(tiny_llama):
     with pytest.raises(ValueError, match=r"band_b=9 is outside the model's layers 0..3"):
         epikv.attach(tiny_llama, "epikv-flat", budget=64, band_a=1, band_b=9)
-    with pytest.raises(ValueError, match="no layer A\\+1"):
-        epikv.attach(tiny_llama, "epikv", budget=64, band_a=3, band_b=2)
+    # Band A on the last layer: the queries come from that layer itself (no layer A+1 exists)
+    assert epikv.attach(tiny_llama, "epikv", budget=64, band_a=3, band_b=2).policy.query_layer == 3
+    assert epikv.attach(tiny_llama, "epikv", budget=64, band_a=1, band_b=2).policy.needs().hidden_layers == (
+        1,
+        2,
+    )
+    with pytest.raises(ValueError, match="query_layer=9 is outside"):
+        epikv.attach(tiny_llama, "epikv", budget=64, band_a=1, band_b=2, query_layer=9)
 
 
 def test_recomputed_queries_reproduce_eager_attention(tiny_model):

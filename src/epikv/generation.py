@@ -204,14 +204,17 @@ def make_generator(
     """A callable that generates for chat prompts with the named model, policy and budget bound.
 
     The model is loaded once per process and shared by every generator made for it."""
+    from epikv.integration import resolve_policy
     from epikv.models import load_model
 
     model, tokenizer = _loaded(model_name, load_model)
-    params = dict(policy_params or {})
+    # Resolved once, so a profile written while a run goes on cannot change its bands midway.
+    resolved = resolve_policy(model, policy, **(policy_params or {}))
 
     def run(prompts: list[list[dict[str, str]]], sampling: SamplingConfig) -> list[SequenceResult]:
-        return generate(model, tokenizer, prompts, policy, budget, sampling, interval, **params)
+        return generate(model, tokenizer, prompts, resolved, budget, sampling, interval)
 
+    run.resolved_policy = resolved.config()  # type: ignore[attr-defined]
     return run
 
 

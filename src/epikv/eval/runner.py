@@ -18,7 +18,15 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
-from epikv.eval.config import EvalConfig, check_compatible, parse_shard, resolve, run_dir, saved_form
+from epikv.eval.config import (
+    ConfigMismatchError,
+    EvalConfig,
+    check_compatible,
+    parse_shard,
+    resolve,
+    run_dir,
+    saved_form,
+)
 from epikv.eval.loops import LoopConfig, detect_loop
 from epikv.eval.metrics import summarize
 from epikv.eval.prompts import build_messages
@@ -137,10 +145,29 @@ def _exclusive_append(path: Path) -> Iterator[IO[str]]:
         yield handle
 
 
+def _check_resolved_policy(folder: Path, resolved: dict[str, Any] | None) -> None:
+    """Save the policy as the engine resolved it (bands from a profile, defaults) in policy.json, or,
+    when resuming, refuse to continue under a policy that resolves differently (a profile changed)."""
+    if resolved is None:
+        return
+    path = folder / "policy.json"
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved != json.loads(json.dumps(resolved)):
+            changed = sorted(k for k in set(saved) | set(resolved) if saved.get(k) != resolved.get(k))
+            raise ConfigMismatchError(
+                f"{folder}: the policy now resolves differently from the saved policy.json "
+                f"(fields {changed}); pin them with --policy-param or use a new --out"
+            )
+        return
+    _write_json_atomic(path, resolved)
+
+
 def _generate_all(
     config: EvalConfig, task: Task, work: list[WorkItem], factory: GeneratorFactory, handle: IO[str]
 ) -> None:
     generator = factory(config.policy, config.budget)
+    _check_resolved_policy(Path(handle.name).parent, getattr(generator, "resolved_policy", None))
     loop_config = LoopConfig()
     correct = finished = 0
     label = f"{task.name} {config.policy} {config.budget_label}"

@@ -1,16 +1,17 @@
 """``epikv-segq`` (alias ``epikv``): EpiKV v3, Seg tiers ranked by recent-query relevance.
 
 Repo name kv_seg_hs_fill_tau128steps_qk_w8rep. The Band-A states of the last w decode tokens are
-kept; at a compaction they are projected through layer A+1's own input norm, query projection and
-RoPE at their true positions, dotted with layer A+1's cached keys, softmaxed over the slots (causal)
-and averaged over queries and heads. The z-scored relevance *replaces* the epiphany score inside the
-tiers (the shipped form), or is added to it (``mode="add"``: z(s) + lambda * z(rel)). Fill on,
-tau = 128. No attention weights are read from the model's kernel.
+kept (the output of layer A = the input of layer A+1); at a compaction they are projected through
+layer A+1's own input norm, query projection and RoPE at their true positions, dotted with layer
+A+1's cached keys, softmaxed over the slots (causal) and averaged over queries and heads. The
+z-scored relevance *replaces* the epiphany score inside the tiers (the shipped form), or is added to
+it (``mode="add"``: z(s) + lambda * z(rel)). Fill on, tau = 128. No attention weights are read from
+the model's kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class EpiKVSegQ(EpiKVSeg):
     query_window: int = 8
     mode: str = "replace"
     weight: float = 1.0
+    query_layer: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,19 +56,35 @@ class EpiKVSegQ(EpiKVSeg):
             raise ValueError(f"{self.name}: query_window must be >= 1, got {self.query_window}")
         if self.mode not in MODES:
             raise ValueError(f"{self.name}: mode must be one of {MODES}, got {self.mode!r}")
-
-    @property
-    def query_layer(self) -> int:
-        return self._bands()[0] + 1
+        if self.query_layer is not None and self.query_layer < 1:
+            raise ValueError(
+                f"{self.name}: query_layer must be >= 1 (its input is layer query_layer-1's output), "
+                f"got {self.query_layer}"
+            )
 
     def resolve(self, model: ModelInfo) -> EpiKVSegQ:
+        """Bands from the profile; queries at layer A+1 (the paper), or at A itself when Band A is the
+        model's last layer (a calibrated profile can put it there)."""
         resolved = super().resolve(model)
-        if resolved.band_a + 1 >= model.num_layers:
-            raise ValueError(f"{self.name}: band_a={resolved.band_a} leaves no layer A+1 for the queries")
-        return resolved
+        layer = self.query_layer
+        if layer is None:
+            layer = min(resolved.band_a + 1, model.num_layers - 1)
+        if layer >= model.num_layers:
+            raise ValueError(
+                f"{self.name}: query_layer={layer} is outside the model's layers 1..{model.num_layers - 1}"
+            )
+        return replace(resolved, query_layer=layer)
+
+    @property
+    def source_layer(self) -> int:
+        """Layer whose output states (= the query layer's input) are kept for the recent queries."""
+        if self.query_layer is None:
+            raise ValueError(f"{self.name}: query_layer is unresolved; call resolve(model_info) first")
+        return self.query_layer - 1
 
     def needs(self) -> Needs:
-        return Needs(hidden_layers=self._bands(), query_layer=self.query_layer)
+        layers = tuple(dict.fromkeys((*self._bands(), self.source_layer)))
+        return Needs(hidden_layers=layers, query_layer=self.query_layer)
 
     def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
         state = super().init_state(batch_size, model, device)
@@ -79,7 +97,7 @@ class EpiKVSegQ(EpiKVSeg):
         out = super().observe(state, step)
         if not step.prefill:
             recent: RecentStates = state.extra
-            new = step.hidden[self._bands()[0]]
+            new = step.hidden[self.source_layer]
             q = new.shape[1]
             recent.hidden = torch.cat([recent.hidden, new.to(recent.hidden.dtype)], dim=1)[
                 :, -self.query_window :
