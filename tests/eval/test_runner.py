@@ -197,3 +197,13 @@ def test_second_writer_of_the_same_shard_fails_fast(tmp_path: Path) -> None:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         with pytest.raises(RuntimeError, match="another process is already writing"):
             run_eval(config(tmp_path, limit=2), FakeFactory(FakeGenerator(right_answers)))
+
+
+def test_resolved_policy_is_pinned_across_resumes(tmp_path: Path) -> None:
+    generator = FakeGenerator(right_answers)
+    generator.resolved_policy = {"name": "h2o", "band_a": 9}  # type: ignore[attr-defined]
+    run_eval(config(tmp_path, limit=2), FakeFactory(generator))
+    assert json.loads((folder(tmp_path) / "policy.json").read_text()) == {"name": "h2o", "band_a": 9}
+    generator.resolved_policy = {"name": "h2o", "band_a": 29}  # type: ignore[attr-defined]
+    with pytest.raises(ConfigMismatchError, match="band_a"):
+        run_eval(config(tmp_path, limit=4), FakeFactory(generator))
