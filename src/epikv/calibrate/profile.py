@@ -1,0 +1,59 @@
+"""Turning a band choice into a model profile that EpiKV finds by itself.
+
+This module owns the profile's provenance record (what data, labels, signal and statistics chose the
+bands, when, with which epikv) and where it is written: the run's output folder and, unless told
+otherwise, the user profile folder that :func:`epikv.profiles.find_profile` reads first.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from epikv.calibrate.stats import BandChoice
+from epikv.profiles import BandProfile, save_profile
+
+
+def epikv_version() -> str:
+    try:
+        return metadata.version("epikv")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_profile(
+    model: str, num_layers: int, choice: BandChoice, label: str, signal: str, provenance: dict[str, Any]
+) -> BandProfile:
+    """A BandProfile whose ``details`` say how it was made (provenance plus the chosen layers' ρ)."""
+    details = {
+        **provenance,
+        "label": label,
+        "signal": signal,
+        "band_a": {
+            "layer": choice.band_a,
+            "rho": choice.rho_a,
+            "ci": list(choice.ci_a),
+            "near": choice.near_a,
+        },
+        "band_b": {
+            "layer": choice.band_b,
+            "rho": choice.rho_b,
+            "ci": list(choice.ci_b),
+            "near": choice.near_b,
+        },
+        "warnings": list(choice.warnings),
+        "date": dt.date.today().isoformat(),
+        "epikv_version": epikv_version(),
+    }
+    method = f"epikv calibrate: Spearman ρ of the {signal} signal against {label} occlusion labels"
+    return BandProfile(model, num_layers, choice.band_a, choice.band_b, method=method, details=details)
+
+
+def write_profile(profile: BandProfile, out: Path, install: bool = True) -> list[Path]:
+    """Writes the profile into ``out`` and, when ``install``, into the user profile folder."""
+    written = [save_profile(profile, out)]
+    if install:
+        written.append(save_profile(profile))
+    return written
