@@ -177,3 +177,152 @@ def masked_zscore(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mean = (x * m).sum(dim=-1, keepdim=True) / n
     var = (((x - mean) * m) ** 2).sum(dim=-1, keepdim=True) / n
     return ((x - mean) / (var.sqrt() + EPS)) * m
+
+
+# -- baselines (issue #3): attention pooling, R-KV redundancy, KeyDiff, LagKV, ThinKV sparsity ---------
+
+
+def group_heads(x: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:
+    """Fold query heads onto the KV heads they share (GQA), by mean or max over each group.
+
+    x: (B, Hq, ...) with Hq a multiple of num_kv_heads; query head h reads KV head h // (Hq / H), the
+    layout of transformers' ``repeat_kv``. Returns (B, H, ...).
+    """
+    if how not in ("mean", "max"):
+        raise ValueError(f"how must be 'mean' or 'max', got {how!r}")
+    b, hq = x.shape[:2]
+    grouped = x.reshape(b, num_kv_heads, hq // num_kv_heads, *x.shape[2:])
+    return grouped.mean(dim=2) if how == "mean" else grouped.amax(dim=2)
+
+
+def pool_slots(x: torch.Tensor, kernel: int, how: str = "avg") -> torch.Tensor:
+    """1-D pooling along the slot axis with stride 1 and padding kernel // 2 (SnapKV, R-KV).
+
+    x: (..., L) float; kernel: odd width. ``avg`` divides by the full kernel at the edges (zero
+    padding counted, as ``avg_pool1d`` does by default); ``max`` ignores the padding. Returns (..., L).
+    """
+    if kernel % 2 != 1:
+        raise ValueError(f"kernel must be odd, got {kernel}")
+    if kernel == 1:
+        return x.float()
+    flat = x.float().reshape(-1, 1, x.shape[-1])
+    if how == "avg":
+        out = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    elif how == "max":
+        out = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        raise ValueError(f"how must be 'avg' or 'max', got {how!r}")
+    return out.reshape(x.shape)
+
+
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """R-KV's redundancy of each cached key (Cai et al. 2025, §3.2; method-and-baselines.md §2.5).
+
+    keys: (B, H, L, D); valid: (B, L) bool (holes take no part). Cosine similarities of L2-normalised
+    keys with the diagonal zeroed; in every row i the entry of i's newest near-duplicate (the largest
+    slot j with similarity > threshold) is set to 0, so the newest copy of repeated content looks least
+    redundant; R_j = mean over rows i of column j, softmax over the valid slots. Returns (B, H, L)
+    float32, 0 at holes.
+    """
+    length = keys.shape[2]
+    k = torch.nn.functional.normalize(keys.float(), dim=-1)
+    sim = k @ k.transpose(-1, -2)
+    eye = torch.eye(length, dtype=torch.bool, device=keys.device)
+    pair = (valid[:, None, :, None] & valid[:, None, None, :]) & ~eye
+    sim = sim.masked_fill(~pair, 0.0)
+    slots = torch.arange(length, device=keys.device)
+    newest = torch.where(sim > threshold, slots, -1).amax(dim=-1, keepdim=True)  # (B, H, L, 1)
+    sim = sim.masked_fill((slots == newest) & (newest >= 0), 0.0)
+    rows = valid.sum(dim=-1).clamp_min(1)[:, None, None].float()
+    mean = sim.sum(dim=-2) / rows
+    return torch.softmax(mean.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+
+
+def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """KeyDiff (arXiv 2504.15364): minus the cosine similarity of each key to the mean normalised key.
+
+    keys: (B, H, L, D); valid: (B, L) bool, holes are left out of the mean. Returns (B, H, L) float32;
+    a distinctive key scores high.
+    """
+    k = torch.nn.functional.normalize(keys.float(), dim=-1)
+    m = valid[:, None, :, None].float()
+    anchor = (k * m).sum(dim=2, keepdim=True) / m.sum(dim=2, keepdim=True).clamp_min(1.0)
+    return -torch.nn.functional.cosine_similarity(k, anchor, dim=-1)
+
+
+def _chunk_softmax(x: torch.Tensor, chunk: torch.Tensor, n: int, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax of x (B, H, L) within groups ``chunk`` (B, H, L) in [0, n), over slots where mask."""
+    x = x.masked_fill(~mask, float("-inf"))
+    top = torch.full((*x.shape[:2], n), float("-inf"), device=x.device)
+    top = top.scatter_reduce(-1, chunk, x, "amax", include_self=True)
+    e = torch.exp(x - top.gather(-1, chunk)).masked_fill(~mask, 0.0)
+    total = torch.zeros_like(top).scatter_add(-1, chunk, e)
+    return e / total.gather(-1, chunk).clamp_min(1e-30)
+
+
+def _chunk_spread(x: torch.Tensor, chunk: torch.Tensor, n: int, member: torch.Tensor) -> torch.Tensor:
+    """Std over D of x (B, H, L, D) min-max normalised per channel by the members of chunk c + 1."""
+    idx = chunk[..., None].expand_as(x)
+    big = torch.finfo(torch.float32).max
+    shape = (*x.shape[:2], n + 1, x.shape[-1])
+    lo = torch.full(shape, big, device=x.device).scatter_reduce(
+        2, idx, x.masked_fill(~member[..., None], big), "amin"
+    )
+    hi = torch.full(shape, -big, device=x.device).scatter_reduce(
+        2, idx, x.masked_fill(~member[..., None], -big), "amax"
+    )
+    ref = (chunk + 1)[..., None].expand_as(x)
+    mn, mx = lo.gather(2, ref), hi.gather(2, ref)
+    return ((x - mn) / (mx - mn + 1e-9)).std(dim=-1)
+
+
+def lag_chunk_scores(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    seen: torch.Tensor,
+    n_sink: int,
+    lag: int,
+) -> torch.Tensor:
+    """Original LagKV scores (Liang et al., arXiv 2504.04704; kvpress ``LagKVPress``), by true position.
+
+    keys, values: (B, H, L, D); positions: (B, H, L) true positions (-1 at holes); valid: (B, L);
+    seen: (B,) tokens seen. Positions after the n_sink sinks are cut into chunks of ``lag``; a chunk is
+    scored once its successor is complete (n_sink + (c + 2) * lag <= seen), against the min/max per
+    head and channel of the successor's cached tokens: per-token std over D of the normalised keys and
+    of the values, each softmaxed within the chunk, averaged, then turned into the rank within the chunk
+    divided by the chunk's cached count (so a global top-k keeps the same share of every chunk).
+    Returns (B, H, L) in [0, 1): sinks and chunks without a complete successor score 1.0.
+    """
+    pos = positions.long()
+    real = valid[:, None, :] & (pos >= n_sink)
+    chunk = ((pos - n_sink).clamp_min(0) // lag).masked_fill(~real, 0)
+    n = int(seen.max()) // lag + 2  # one host sync per compaction
+    scorable = real & ((chunk + 2) * lag + n_sink <= seen[:, None, None])
+    member = real & (chunk >= 1)  # cached tokens that can act as a reference
+    score_k = _chunk_softmax(_chunk_spread(keys.float(), chunk, n, member), chunk, n, scorable)
+    score_v = _chunk_softmax(_chunk_spread(values.float(), chunk, n, member), chunk, n, scorable)
+    combined = ((score_k + score_v) / 2).masked_fill(~scorable, 0.0)
+    # Rank within the chunk: sort by (chunk, score); non-scorable slots sort last.
+    key = torch.where(scorable, chunk.float() * 4 + combined, torch.full_like(combined, float("inf")))
+    order = key.argsort(dim=-1, stable=True)
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)
+    count = torch.zeros(*chunk.shape[:2], n, device=chunk.device).scatter_add(-1, chunk, scorable.float())
+    before = count.cumsum(dim=-1) - count
+    within = rank.float() - before.gather(-1, chunk)
+    out = within / count.gather(-1, chunk).clamp_min(1.0)
+    return torch.where(scorable, out, torch.ones_like(out))
+
+
+def attention_sparsity(rows: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Share of a query row's attention weights below ``threshold`` x the row max (ThinKV's sparsity).
+
+    rows: (..., L) attention weights; only positive weights count as slots (holes and masked slots are
+    exactly 0 in both attention modes). Returns (...) float32 in [0, 1].
+    """
+    r = rows.float()
+    present = r > 0
+    small = present & (r < threshold * r.amax(dim=-1, keepdim=True))
+    return small.sum(dim=-1).float() / present.sum(dim=-1).clamp_min(1).float()

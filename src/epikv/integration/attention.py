@@ -80,14 +80,19 @@ class AttentionCapture:
 
         return hook
 
-    def collect(self, keys: dict[int, torch.Tensor], valid: torch.Tensor) -> tuple[dict, dict]:
+    def collect(
+        self, keys: dict[int, torch.Tensor], valid: torch.Tensor, new_valid: torch.Tensor
+    ) -> tuple[dict, dict]:
         """Rows of the last ``rows`` new queries and the column sums over all new queries, per layer.
 
-        keys: layer -> (B, H, L, D) cached keys after this step's update; valid: (B, L)."""
+        keys: layer -> (B, H, L, D) cached keys after this step's update; valid: (B, L); new_valid:
+        (B, q), False for left-padding queries, whose rows are zeroed (eager attention gives a fully
+        masked row a uniform distribution, recomputation gives zeros: both become zeros)."""
         rows, colsum = {}, {}
+        query_mask = new_valid[:, None, :, None].float()
         for index in self.layers:
             if self.mode == "eager":
-                weights = self._weights.pop(index).float()
+                weights = self._weights.pop(index).float() * query_mask
                 rows[index] = weights[:, :, -self.rows :]
                 colsum[index] = weights.sum(dim=2)
             else:

@@ -139,7 +139,9 @@ class attach:
         if self.attention is not None:
             self.attention.active = False
             keys = {i: self.cache.layers[i].keys for i in self.attention.layers}
-            signals.attention, signals.attention_colsum = self.attention.collect(keys, self.cache.valid)
+            signals.attention, signals.attention_colsum = self.attention.collect(
+                keys, self.cache.valid, new_valid
+            )
         with torch.no_grad():
             self.cache.end_step(signals)
 

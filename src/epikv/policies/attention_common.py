@@ -1,0 +1,131 @@
+"""What the attention-based baselines share (H2O, TOVA, SnapKV, R-KV, RaaS, ThinKV).
+
+This module owns three things: the layers a baseline reads (all of them unless set, filled from
+:class:`ModelInfo` by ``resolve``), lifting the per-layer attention the cache delivers into the
+(G, B, H, ...) layout of scores and buffers, and the *ring of per-token buffers* that keeps the rows
+of the last w queries aligned with the cached slots through compactions (SnapKV, R-KV).
+
+Why a ring of buffers: the cache hands a policy, per step, the rows of the last ``attention_queries``
+*new* tokens (w rows at prefill, one per decode step), while SnapKV and R-KV score with the rows of
+the last w queries. Rows kept in the policy state would go stale at every compaction (slots move,
+and the policy is never told the kept index); a running sum of the last w rows cannot be kept as one
+buffer either, because dropping the oldest row needs that row. So row i of the window lives in its own
+per-token buffer ``{prefix}{i}`` (ring slot i = query number mod w): the cache gathers it with the same
+keep index as the keys, a slot written after the query holds 0 (causality), an evicted slot vanishes.
+At a compaction the w buffers are exactly the rows the last w queries produced, restricted to the
+surviving slots. Cost: w buffers of (G, B, H, L), one replaced and w - 1 extended per step.
+
+Attention rows of padding queries (left-padded prompts) are zeroed here with ``StepSignals.valid``.
+It knows nothing of models or of the cache internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from epikv import scoring
+from epikv.policies.base import ModelInfo, Needs, Policy, StepSignals
+
+
+@dataclass
+class AttentionState:
+    """Per-generation state: the model's shape, decode steps taken, rows written to the ring."""
+
+    model: ModelInfo
+    steps: int = 0
+    ring_count: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AttentionPolicy(Policy):
+    """Base of the baselines that read attention weights.
+
+    layers: decoder layers whose attention is read; None = every layer (set by ``resolve``). Policies
+    that select per layer need every layer.
+    """
+
+    requires = ("attention_weights",)
+
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layers is not None:
+            layers = tuple(sorted({int(x) for x in self.layers}))
+            if not layers or layers[0] < 0:
+                raise ValueError(f"{self.name}: layers must be non-negative layer indices, got {self.layers}")
+            object.__setattr__(self, "layers", layers)
+
+    def attention_rows(self) -> int:
+        """Query rows per layer the policy reads from each step (the current query by default)."""
+        return 1
+
+    def default_layers(self, model: ModelInfo) -> tuple[int, ...]:
+        return tuple(range(model.num_layers))
+
+    def resolve(self, model: ModelInfo) -> Policy:
+        layers = self.layers if self.layers is not None else self.default_layers(model)
+        if layers[-1] >= model.num_layers:
+            raise ValueError(f"{self.name}: layers {layers} fall outside 0..{model.num_layers - 1}")
+        if "layer" in self.granularity and len(layers) != model.num_layers:
+            raise ValueError(f"{self.name}: selects per layer and needs every layer, got layers={layers}")
+        return self.with_params(layers=layers)
+
+    def needs(self) -> Needs:
+        return Needs(attention_layers=self.resolved_layers(), attention_queries=self.attention_rows())
+
+    def resolved_layers(self) -> tuple[int, ...]:
+        if self.layers is None:
+            raise ValueError(f"{self.name}: layers are unresolved; call resolve(model_info) first")
+        return self.layers
+
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
+        return AttentionState(model=model)
+
+
+def stacked(signal: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    """Per-layer attention (B, Hq, ...) stacked over ``layers`` into (G, B, Hq, ...) float32."""
+    return torch.stack([signal[i].float() for i in layers])
+
+
+def folded(x: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:
+    """(G, B, Hq, ...) -> (G, B, H, ...): query heads folded onto their KV head (see ``group_heads``)."""
+    g, b = x.shape[:2]
+    out = scoring.group_heads(x.reshape(g * b, *x.shape[2:]), num_kv_heads, how)
+    return out.reshape(g, b, *out.shape[1:])
+
+
+def valid_rows(step: StepSignals, rows: torch.Tensor) -> torch.Tensor:
+    """Zero the rows (G, B, Hq, w, L) of padding queries: the last w new tokens' ``step.valid``."""
+    w = rows.shape[3]
+    return rows * step.valid[:, -w:].to(rows.dtype)[None, :, None, :, None]
+
+
+def ring_observe(
+    state: AttentionState, step: StepSignals, rows: torch.Tensor, prefix: str, size: int
+) -> dict[str, torch.Tensor]:
+    """Write the newest query rows (G, B, H, n, L_total) into a ring of ``size`` per-token buffers.
+
+    Ring slot (query number mod size) is replaced by that query's row; every other slot is extended
+    by zeros for this step's q new tokens. Returns every buffer of the ring, name -> (G, B, H, L or q).
+    """
+    g, b, h, n, _ = rows.shape
+    q = step.valid.shape[1]
+    out = {}
+    written = {}
+    for i in range(n):  # n = 1 per decode step; at most ``size`` rows at prefill
+        written[(state.ring_count + i) % size] = rows[:, :, :, i]
+    state.ring_count += n
+    zeros = rows.new_zeros(g, b, h, q)
+    for slot in range(size):
+        out[f"{prefix}{slot}"] = written.get(slot, zeros)
+    return out
+
+
+def ring_rows(buffers: dict[str, torch.Tensor], prefix: str, size: int) -> torch.Tensor:
+    """The ring's buffers stacked, (size, G, B, H, L); rows not yet written are all zero."""
+    return torch.stack([buffers[f"{prefix}{slot}"] for slot in range(size)])
