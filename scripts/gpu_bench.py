@@ -1,0 +1,178 @@
+"""One prepared command for a lent accelerator: memory to the OOM boundary and decode throughput.
+
+No weights and no network are needed: each model is randomly initialised from its architecture
+(the DeepSeek R1-Distill-Qwen-1.5B and R1-Distill-Llama-8B shapes below), in bfloat16. Memory and
+speed do not depend on the weights' values; accuracy does, and is not measured here.
+
+    python scripts/gpu_bench.py --out "$OUT"                      # on the GPU machine (< 8 min)
+    python scripts/gpu_bench.py --device cpu --tiny --out /tmp/g  # the CPU path, in seconds
+
+Runs, in priority order:
+1. memory of one forward pass vs length for every model (three paths, ``--cap-gb`` emulates an
+   80 GB card as in the paper's Fig. 1), to each path's out-of-memory boundary;
+2. decode speed for full / epikv / h2o (eager attention) at each budget K (every model at the
+   smallest K first), forced K + ``--extra`` tokens; a run starts only if the time left before
+   ``--deadline-s`` covers its estimate (``--step-ms`` per decode step).
+Every result is written as soon as it exists (``OUT/<model>/memory.json``,
+``OUT/<model>/K<k>/speed.json``, with PNGs), and ``OUT/summary.json`` lists what ran and what was
+skipped for time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch
+
+from epikv.bench import io
+from epikv.bench.memory import MemoryConfig, plot_memory, run_memory
+from epikv.bench.speed import SpeedConfig, plot_speed, run_speed
+
+# Public config.json shapes; rope and norm details left at transformers' defaults (no weights).
+CONFIGS = {
+    "r1-distill-qwen-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
+    "r1-distill-llama-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+}
+TINY = {"tiny-llama": dict(io.RANDOM_PRESETS["tiny-llama"])}
+FULL_SIZES = dict(budgets="1024,2048,4096", extra=2048, min_length=1024, max_length=131072, step_ms=30.0)
+TINY_SIZES = dict(budgets="128", extra=32, min_length=64, max_length=256, step_ms=5.0)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 4-layer model and small sizes (tests the CPU path)")
+    p.add_argument("--models", default=None, help="comma-separated names from CONFIGS (default: all)")
+    p.add_argument("--budgets", default=None, help="comma-separated K (default 1024,2048,4096)")
+    p.add_argument("--extra", type=int, default=None, help="decode steps after the cache reaches K (2048)")
+    p.add_argument("--policies", default="full,epikv,h2o")
+    p.add_argument("--min-length", type=int, default=None, help="first memory length (1024)")
+    p.add_argument("--max-length", type=int, default=None, help="last memory length (131072)")
+    p.add_argument("--cap-gb", type=float, default=80.0, help="emulated accelerator size for memory")
+    p.add_argument("--deadline-s", type=float, default=450.0, help="stop starting runs after this")
+    p.add_argument("--step-ms", type=float, default=None, help="assumed decode step time (30 ms)")
+    args = p.parse_args(argv)
+    sizes = TINY_SIZES if args.tiny else FULL_SIZES
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.tiny:
+        args.cap_gb = None
+    return args
+
+
+def build(name: str, spec: dict, device: str) -> tuple[torch.nn.Module, io.ByteTokenizer]:
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = io.random_model({**spec, "name": name}, dtype=dtype, device=device)
+    return model, io.ByteTokenizer(model.config.vocab_size)
+
+
+def _threads(args: argparse.Namespace) -> int | None:
+    return 1 if args.device == "cpu" else None  # two threads per op thrash a shared CPU
+
+
+def _free(args: argparse.Namespace) -> None:
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def memory_phase(name: str, spec: dict, args: argparse.Namespace) -> None:
+    """One forward pass per (path, length) up to each path's OOM boundary, in this process."""
+    model, _ = build(name, spec, args.device)
+    memory = MemoryConfig(
+        model=f"random:{name}",
+        min_length=args.min_length,
+        max_length=args.max_length,
+        cap_gb=args.cap_gb,
+        device=args.device,
+        dtype=str(model.dtype).split(".")[-1],
+        threads=_threads(args),
+    )
+    plot_memory(io.write_result(run_memory(memory, model=model), Path(args.out) / name))
+    del model
+    _free(args)
+
+
+def speed_run(
+    name: str, model: torch.nn.Module, tokenizer: io.ByteTokenizer, budget: int, args: argparse.Namespace
+) -> None:
+    config = SpeedConfig(
+        model=f"random:{name}",
+        policies=tuple(args.policies.split(",")),
+        budget=budget,
+        tokens=budget + args.extra,
+        repeats=1,
+        device=args.device,
+        threads=_threads(args),
+        bin_size=128,
+        chat=False,
+    )
+    plot_speed(io.write_result(run_speed(config, model, tokenizer), Path(args.out) / name / f"K{budget}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    configs = TINY if args.tiny else CONFIGS
+    names = args.models.split(",") if args.models else list(configs)
+    log: list = []
+    summary_path = Path(args.out, "summary.json")
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(entry: dict) -> None:  # rewritten after every run, so a killed command still says what ran
+        log.append({**entry, "at_s": round(time.perf_counter() - started, 1)})
+        summary = {"machine": io.machine_info(args.device), "args": vars(args), "runs": log}
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+
+    for name in names:
+        memory_phase(name, configs[name], args)
+        record({"model": name, "run": "memory"})
+    built: tuple[str, torch.nn.Module, io.ByteTokenizer] | None = None
+    for budget in (int(k) for k in args.budgets.split(",")):
+        for name in names:  # every model at the smallest K first: the deadline cuts the largest K
+            estimate = len(args.policies.split(",")) * (budget + args.extra) * args.step_ms / 1000
+            if time.perf_counter() - started + estimate > args.deadline_s:
+                record({"model": name, "run": f"speed K={budget}", "skipped": f"needs ~{estimate:.0f} s"})
+                continue
+            if built is None or built[0] != name:
+                built = None
+                _free(args)
+                built = (name, *build(name, configs[name], args.device))
+            speed_run(name, built[1], built[2], budget, args)
+            record({"model": name, "run": f"speed K={budget}"})
+    print(json.dumps(log, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""Benchmarks of the paper's systems claims, runnable on any machine (``epikv bench <kind>``).
+
+One module per kind, each with a config dataclass (and a ``QUICK`` preset), a ``run_<kind>``
+function that accepts an in-process model where it can and returns a result document, and a
+``plot_<kind>`` function that draws from the written JSON alone:
+
+* :mod:`~epikv.bench.memory`: peak memory of one forward pass vs length, three paths (Fig. 1);
+* :mod:`~epikv.bench.speed`: decode tokens/s and per-step time vs position per policy;
+* :mod:`~epikv.bench.fidelity`: agreement with the full cache on teacher-forced and free traces;
+* :mod:`~epikv.bench.capacity`: concurrent requests per accelerator, with and without K (Fig. 6);
+* :mod:`~epikv.bench.peer`: against NVIDIA kvpress's decoding-time compression.
+
+:mod:`~epikv.bench.io` holds what they share (documents, machine facts, memory probes, figures).
+"""
+
+from epikv.bench.io import read_result, write_result
+
+__all__ = ["read_result", "write_result"]

@@ -1,0 +1,133 @@
+"""``epikv bench <kind> [--model M] [--quick] --out DIR`` and ``epikv bench plot RESULT.json``.
+
+Thin: flags become fields of the kind's config dataclass (over its ``QUICK`` preset with ``--quick``,
+else over its defaults), the kind's ``run_*`` function makes the document, it is written as
+``DIR/<kind>.json`` and drawn as ``DIR/<kind>.png`` by the kind's ``plot_*`` function from the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from epikv.bench import io
+
+KINDS = ("memory", "speed", "fidelity", "capacity", "peer")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _gb_or_auto(text: str) -> float | None:
+    return None if text == "auto" else float(text)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+# flag -> (config field, type, help); only the flags a kind's config has are added to its parser.
+_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "--device": ("device", str, "cpu or cuda"),
+    "--dtype": ("dtype", str, "model weights dtype (float32, bfloat16...)"),
+    "--threads": ("threads", int, "torch CPU threads (default 1: stable timings on a shared machine)"),
+    "--policies": ("policies", _names, "comma-separated policies (missing ones are reported, not fatal)"),
+    "--budget": ("budget", int, "KV budget K in tokens"),
+    "--budgets": ("budgets", _ints, "comma-separated budgets"),
+    "--interval": ("interval", int, "compaction interval tau (default: each policy's own)"),
+    "--tokens": ("tokens", int, "forced decode tokens (EOS ignored)"),
+    "--repeats": ("repeats", int, "interleaved repeats of every policy"),
+    "--chunk": ("chunk", int, "decode steps each policy runs per turn (policies take turns)"),
+    "--bin-size": ("bin_size", int, "decode steps per point of the speed-vs-position series"),
+    "--attention": ("attention", str, "attention rows for attention-scored policies: eager | recompute"),
+    "--prompt-source": ("prompt_source", str, "bundled task (math500, gsm8k...) or a .jsonl / text file"),
+    "--prompt-index": ("prompt_index", int, "which prompt of the source"),
+    "--prompts": ("prompts", int, "how many prompts"),
+    "--prompt-offset": ("prompt_offset", int, "first prompt of the source"),
+    "--trace-tokens": ("trace_tokens", int, "length T of each full-cache trace"),
+    "--min-length": ("min_length", int, "first forward length (doubles up to --max-length)"),
+    "--max-length": ("max_length", int, "longest forward length tried"),
+    "--cap-gb": ("cap_gb", float, "memory cap: GB above the loaded model (CPU) or emulated GPU size (CUDA)"),
+    "--paths": ("paths", _names, "memory paths: attention_outputs,sdpa,epikv_capture"),
+    "--timeout": ("timeout_s", float, "seconds allowed per subprocess"),
+    "--gpu-gb": ("gpu_gb", float, "accelerator memory M in GB (2**30 bytes)"),
+    "--usable": ("usable", float, "usable fraction u of that memory"),
+    "--weights-gb": ("weights_gb", _gb_or_auto, "weights W in GB, or auto = parameters x bytes"),
+    "--dtype-bytes": ("dtype_bytes", int, "bytes per KV element"),
+    "--contexts": ("contexts", _ints, "comma-separated context lengths"),
+    "--slack": ("slack", int, "tokens held above K between compactions (0 in the paper)"),
+    "--presses": ("presses", _names, "kvpress bases: streaming,knorm,tova,observed"),
+    "--ours": ("ours", _names, "our policies to run against kvpress"),
+    "--venv": ("venv", str, "kvpress virtual environment folder (created if missing)"),
+    "--torch-spec": ("torch_spec", str, "torch requirement installed there (default: our version)"),
+}
+_SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
+
+
+def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]]:
+    module = importlib.import_module(f"epikv.bench.{kind}")
+    config_class = next(
+        v for k, v in vars(module).items() if k.endswith("Config") and dataclasses.is_dataclass(v)
+    )
+    return config_class, module.QUICK, getattr(module, f"run_{kind}"), getattr(module, f"plot_{kind}")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="measure the paper's systems claims (memory, speed, fidelity...)")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    for kind in KINDS:
+        config_class, _, run, _ = _kind(kind)
+        fields = {f.name for f in dataclasses.fields(config_class)}
+        p = kinds.add_parser(kind, help=(run.__doc__ or "").splitlines()[0])
+        p.add_argument("--out", required=True, help="folder for <kind>.json and <kind>.png")
+        p.add_argument("--quick", action="store_true", help="the small configuration (~2 min on 2 cores)")
+        if "model" in fields:
+            p.add_argument("--model", default=argparse.SUPPRESS, help="hub id, folder, random:<preset>")
+        for flag, (name, kind_type, text) in _FLAGS.items():
+            if name in fields:
+                p.add_argument(flag, dest=name, type=kind_type, default=argparse.SUPPRESS, help=text)
+        for flag, name in _SWITCHES.items():
+            if name in fields:
+                p.add_argument(
+                    flag,
+                    dest=name,
+                    action="store_const",
+                    const=flag != "--no-chat",
+                    default=argparse.SUPPRESS,
+                )
+        p.set_defaults(func=cmd_bench, kind=kind)
+    plot = kinds.add_parser("plot", help="redraw a figure from a result JSON alone")
+    plot.add_argument("result", help="a <kind>.json written by epikv bench")
+    plot.add_argument("--png", default=None, help="output path (default: beside the JSON)")
+    plot.set_defaults(func=cmd_plot)
+
+
+def build_config(kind: str, args: argparse.Namespace) -> Any:
+    config_class, quick, _, _ = _kind(kind)
+    base = quick if args.quick else config_class()
+    names = {f.name for f in dataclasses.fields(config_class)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return dataclasses.replace(base, **given)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    config = build_config(args.kind, args)
+    _, _, run, plot = _kind(args.kind)
+    document = run(config)
+    path = io.write_result(document, args.out)
+    print(path)
+    print(plot(path))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    kind = io.read_result(args.result)["kind"]
+    if kind not in KINDS:
+        raise ValueError(f"{args.result}: unknown benchmark kind {kind!r}")
+    print(_kind(kind)[3](args.result, args.png))
+    return 0

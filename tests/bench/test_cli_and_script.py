@@ -1,0 +1,61 @@
+"""The bench command line (plot from a file) and the GPU script's CPU path on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from epikv.bench import io
+from epikv.cli import build_parser, main
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"
+
+
+def test_every_kind_has_a_command():
+    parser = build_parser()
+    for kind in ("memory", "speed", "fidelity", "capacity", "peer"):
+        args = parser.parse_args(["bench", kind, "--out", "x"])
+        assert args.kind == kind
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "capacity", "--out", "x", "--tokens", "3"])  # not a capacity flag
+
+
+def test_plot_command_redraws_from_the_json(tmp_path, capsys):
+    assert main(["bench", "capacity", "--quick", "--out", str(tmp_path)]) == 0
+    (tmp_path / "capacity.png").unlink()
+    assert main(["bench", "plot", str(tmp_path / "capacity.json"), "--png", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 5000
+
+
+def test_gpu_script_cpu_path(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert {"r1-distill-qwen-1.5b", "r1-distill-llama-8b"} <= set(module.CONFIGS)
+    assert (
+        module.main(
+            [
+                "--device",
+                "cpu",
+                "--tiny",
+                "--out",
+                str(tmp_path),
+                "--policies",
+                "full,streaming",
+                "--extra",
+                "8",
+                "--max-length",
+                "128",
+            ]
+        )
+        == 0
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["memory", "speed K=128"]
+    speed = io.read_result(tmp_path / "tiny-llama" / "K128" / "speed.json", "speed")
+    assert speed["results"]["policies"]["streaming"]["within_bound"] is True
+    memory = io.read_result(tmp_path / "tiny-llama" / "memory.json", "memory")
+    assert {p["status"] for p in memory["results"]["points"]} == {"ok"}

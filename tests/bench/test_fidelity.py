@@ -1,0 +1,87 @@
+"""Fidelity benchmark: loop and divergence detectors, teacher forcing, the document and its figure."""
+
+from __future__ import annotations
+
+import pytest
+
+from epikv.bench import fidelity, io
+from epikv.bench.fidelity import FidelityConfig
+from epikv.cli import main
+
+
+def test_repeated_suffix():
+    assert fidelity.repeated_suffix([5, 6, 7] + [1, 2] * 20, max_period=8, min_span=16) == 2
+    assert fidelity.repeated_suffix([9] * 40, min_span=16) == 1
+    assert fidelity.repeated_suffix(list(range(60)), min_span=16) is None
+    assert fidelity.repeated_suffix([1, 2] * 4, min_span=16) is None  # too short to call a loop
+
+
+def test_first_divergence():
+    assert fidelity.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert fidelity.first_divergence([1, 2, 3], [1, 2, 3]) is None
+
+
+def test_teacher_forcing_without_eviction_matches_the_trace(tiny_pair):
+    model, tok = tiny_pair
+    ids = io.encode_prompt(tok, "Ann has 3 apples.")
+    trace, reference = fidelity.full_trace(model, ids, 20)
+    assert reference.shape == (20, model.config.vocab_size)
+    same = fidelity.teacher_force(model, ids, trace, reference, "streaming", budget=10_000)
+    assert same["agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-5)
+    assert same["first_eviction_step"] is None and same["agreement_after_eviction"] is None
+    cut = fidelity.teacher_force(model, ids, trace, reference, "streaming", budget=12)
+    assert cut["first_eviction_step"] is not None and cut["kl"] > 1e-6
+
+
+@pytest.fixture(scope="module")
+def fidelity_doc(tiny_pair, short_prompts):
+    model, tok = tiny_pair
+    config = FidelityConfig(
+        prompt_source=str(short_prompts),
+        prompts=2,
+        trace_tokens=24,
+        policies=("epikv-flat", "streaming"),
+        budgets=(40, 56),
+    )
+    return fidelity.run_fidelity(config, model, tok)
+
+
+def test_document_skips_budgets_that_cannot_hold_the_prompt(fidelity_doc):
+    results = fidelity_doc["results"]
+    assert len(results["prompts"]) == 2
+    rows = {(r["policy"], r["budget"]): r for r in results["summary"]["rows"]}
+    assert set(rows) == {(p, k) for p in ("epikv-flat", "streaming") for k in (40, 56)}
+    assert rows[("epikv-flat", 40)]["skipped"] == 2  # ~45-token prompts + recent window > 40
+    assert rows[("streaming", 40)]["skipped"] == 0  # streaming protects only its sinks
+    for row in rows.values():
+        if row["prompts"]:
+            assert 0.0 <= row["agreement"] <= 1.0 and row["kl"] >= 0.0 and row["loop_rate"] is not None
+
+
+def test_plot_and_cli(fidelity_doc, tmp_path, short_prompts):
+    path = io.write_result(fidelity_doc, tmp_path)
+    assert fidelity.plot_fidelity(path).stat().st_size > 5000
+    code = main(
+        [
+            "bench",
+            "fidelity",
+            "--quick",
+            "--model",
+            "random:tiny-llama",
+            "--prompt-source",
+            str(short_prompts),
+            "--prompt-offset",
+            "0",
+            "--trace-tokens",
+            "12",
+            "--policies",
+            "streaming",
+            "--budgets",
+            "32",
+            "--out",
+            str(tmp_path / "cli"),
+        ]
+    )
+    assert code == 0
+    data = io.read_result(tmp_path / "cli" / "fidelity.json", "fidelity")
+    assert data["results"]["summary"]["rows"][0]["prompts"] == 1

@@ -1,0 +1,44 @@
+"""Result documents, prompt sources and the random models every benchmark can use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epikv.bench import io
+
+
+def test_documents_round_trip_and_are_checked(tmp_path):
+    doc = io.make_document("speed", {"a": 1}, {"x": [1, 2]})
+    path = io.write_result(doc, tmp_path)
+    assert path.name == "speed.json"
+    back = io.read_result(path, "speed")
+    assert back["results"] == {"x": [1, 2]}
+    assert back["machine"]["versions"]["torch"]
+    with pytest.raises(ValueError, match="expected 'memory'"):
+        io.read_result(path, "memory")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "speed"}))
+    with pytest.raises(ValueError, match="missing"):
+        io.read_result(bad)
+
+
+def test_prompt_sources(tmp_path, short_prompts):
+    assert io.load_prompts("gsm8k", 2)[0].startswith("Janet")
+    assert len(io.load_prompts("math500", 3, offset=10)) == 3
+    assert io.load_prompts(str(short_prompts), 5)[1].startswith("A train")
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text(json.dumps({"question": "why?"}) + "\n")
+    assert io.load_prompts(str(jsonl), 1) == ["why?"]
+    with pytest.raises(FileNotFoundError):
+        io.load_prompts("no-such-task", 1)
+
+
+def test_random_models_and_byte_tokenizer():
+    model, tok = io.load_bench_model("random:tiny-qwen2")
+    assert model.config.model_type == "qwen2" and io.model_name(model) == "random:tiny-qwen2"
+    ids = io.encode_prompt(tok, "hi")
+    assert ids.shape == (1, 2) and int(ids.max()) < model.config.vocab_size
+    with pytest.raises(ValueError, match="unknown random model"):
+        io.random_model("huge")

@@ -1,0 +1,91 @@
+"""Speed benchmark on a tiny model: the probe's accounting, bounds, ratios, document and figure."""
+
+from __future__ import annotations
+
+import pytest
+
+from epikv.bench import io, speed
+from epikv.bench.speed import SpeedConfig
+from epikv.cli import main
+
+
+@pytest.fixture(scope="module")
+def speed_doc(tiny_pair, short_prompts):
+    model, tok = tiny_pair
+    config = SpeedConfig(
+        policies=("full", "epikv-flat", "streaming", "no-such-policy"),
+        budget=64,
+        tokens=60,
+        repeats=2,
+        prompt_source=str(short_prompts),
+        prompt_index=0,
+        bin_size=16,
+    )
+    return speed.run_speed(config, model, tok)
+
+
+def test_probe_times_every_compaction(tiny_pair):
+    model, tok = tiny_pair
+    ids = io.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
+    trace = speed.timed_decode(model, ids, "streaming", 48, 40, interval=4)
+    compacting_steps = sum(1 for c in trace.compact_s if c > 0)
+    assert trace.compactions == compacting_steps > 0
+    assert all(e >= c for e, c in zip(trace.end_step_s, trace.compact_s, strict=True))
+    assert len(trace.step_s) == 40 and max(trace.slots) <= 48 + 4
+
+
+def test_document_reports_each_policy(speed_doc):
+    results = speed_doc["results"]
+    assert results["missing_policies"] == ["no-such-policy"]
+    assert set(results["policies"]) == {"full", "epikv-flat", "streaming"}
+    for name in ("epikv-flat", "streaming"):
+        summary = results["policies"][name]
+        assert summary["within_bound"] is True and summary["compactions"] > 0
+        assert summary["peak_cache_tokens"] <= 64 + summary["interval"]
+        assert len(summary["tokens_per_s_repeats"]) == 2
+    assert results["policies"]["full"]["peak_cache_tokens"] == results["prompt_tokens"] + 60
+    assert results["ratios"]["vs_full"]["full"] == 1.0
+    assert "vs_h2o" not in results["ratios"]
+
+
+def test_plot_and_cli(speed_doc, tmp_path, short_prompts):
+    path = io.write_result(speed_doc, tmp_path)
+    assert speed.plot_speed(path).stat().st_size > 5000
+    out = tmp_path / "cli"
+    code = main(
+        [
+            "bench",
+            "speed",
+            "--quick",
+            "--model",
+            "random:tiny-llama",
+            "--prompt-source",
+            str(short_prompts),
+            "--prompt-index",
+            "0",
+            "--policies",
+            "full,streaming",
+            "--budget",
+            "48",
+            "--tokens",
+            "24",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    data = io.read_result(out / "speed.json", "speed")
+    assert data["config"]["repeats"] == 1 and data["config"]["budget"] == 48  # quick preset + overrides
+    assert (out / "speed.png").exists()
+
+
+def test_taking_turns_changes_nothing_but_the_timing(tiny_pair):
+    model, tok = tiny_pair
+    ids = io.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
+    config = SpeedConfig(budget=48, tokens=30, chunk=7, interval=3)
+    together = speed.interleaved(model, ids, ["full", "h2o", "epikv-flat"], config)
+    for policy, trace in together.items():
+        alone = speed.timed_decode(model, ids, policy, 48, 30, interval=3)
+        assert trace.slots == alone.slots and trace.compactions == alone.compactions
+        assert len(trace.step_s) == 30
+    assert model.config._attn_implementation == "sdpa"  # h2o's eager turns were undone
