@@ -123,7 +123,10 @@ class attach:
     def _capture(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if self._step is not None:
-                self._hidden[index] = (output[0] if isinstance(output, tuple) else output).detach()
+                hidden = (output[0] if isinstance(output, tuple) else output).detach()
+                # At prefill only the last prompt row is kept: policies read nothing else there,
+                # and holding the whole (B, P, hidden) output would add to peak prefill memory.
+                self._hidden[index] = hidden[:, -1:] if self._step[2] else hidden
 
         return hook
 

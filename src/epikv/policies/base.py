@@ -60,7 +60,8 @@ class ModelInfo:
 class StepSignals:
     """One forward pass seen by a policy.
 
-    hidden: layer -> (B, q, hidden) output states of the new tokens; valid: (B, q) bool (False on
+    hidden: layer -> (B, q, hidden) output states of the new tokens (at prefill only the last
+    prompt position, (B, 1, hidden), real for every row under left padding); valid: (B, q) bool (False on
     left padding); positions: (B, q) true positions; prefill: first pass of the generation;
     attention: layer -> (B, Hq, w, L) attention rows of the last w = ``Needs.attention_queries`` new
     tokens over the cache after the update; attention_colsum: layer -> (B, Hq, L) the rows of all new

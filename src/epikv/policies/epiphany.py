@@ -87,7 +87,7 @@ class BandedPolicy(Policy):
     def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
         a, b = self._bands()
         h_a, h_b = step.hidden[a], step.hidden[b]
-        batch, q = h_a.shape[:2]
+        batch, q = step.valid.shape
         if step.prefill:
             # Left padding puts every row's last prompt token in the last column.
             state.prev_a, state.prev_b = h_a[:, -1].float(), h_b[:, -1].float()
