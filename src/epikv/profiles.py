@@ -45,12 +45,10 @@ class BandProfile:
 
 
 def user_profile_dir() -> Path:
-    root = os.environ.get("EPIKV_CACHE_DIR")
-    if root:
-        return Path(root) / "profiles"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "epikv" / "profiles"
+    """The ``profiles/`` folder of EpiKV's cache folder (same rule as the converted models)."""
+    from epikv.models import model_cache_dir
+
+    return model_cache_dir() / "profiles"
 
 
 def profile_filename(model: str) -> str:

@@ -43,17 +43,11 @@ RANDOM_PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         max_position_embeddings=8192,
     ),
-    "tiny-qwen2": dict(
-        model_type="qwen2",
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        use_sliding_window=False,
-    ),
+}
+RANDOM_PRESETS["tiny-qwen2"] = {
+    **RANDOM_PRESETS["tiny-llama"],
+    "model_type": "qwen2",
+    "use_sliding_window": False,
 }
 
 
