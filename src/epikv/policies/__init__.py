@@ -1,48 +1,11 @@
-"""Policy registry: every policy registers itself by name; lookups suggest close names on a typo."""
+"""Eviction policies: one file each, registered by name (see :mod:`epikv.policies.registry`).
+
+Importing this package imports every policy module, which registers it.
+"""
 
 from __future__ import annotations
 
-import difflib
-from typing import Any
-
-from epikv.policies.base import CacheView, ModelInfo, Needs, Policy, StepSignals
-
-_REGISTRY: dict[str, type[Policy]] = {}
-ALIASES = {"epikv": "epikv-segq"}  # the default EpiKV is the latest published form (v3)
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator adding a policy under ``cls.name``; a clash is an error."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"policy name {cls.name!r} already registered by {_REGISTRY[cls.name].__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def policy_class(name: str) -> type[Policy]:
-    name = ALIASES.get(name, name)
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, [*_REGISTRY, *ALIASES], n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(f"unknown policy {name!r}{hint} (known: {', '.join(policy_names())})")
-    return _REGISTRY[name]
-
-
-def get_policy(name: str | Policy, **params: Any) -> Policy:
-    """A policy instance by registered name (or an instance passed through), with parameters overridden."""
-    if isinstance(name, Policy):
-        return name.with_params(**params) if params else name
-    return policy_class(name)().with_params(**params)
-
-
-# Importing the modules registers the policies.
-from epikv.policies import (  # noqa: E402
+from epikv.policies import (
     epikv_flat,
     epikv_lag,
     epikv_seg,
@@ -59,8 +22,11 @@ from epikv.policies import (  # noqa: E402
     thinkv,
     tova,
 )
+from epikv.policies.base import CacheView, ModelInfo, Needs, Policy, StepSignals
+from epikv.policies.registry import ALIASES, get_policy, policy_class, policy_names, register
 
 __all__ = [
+    "ALIASES",
     "CacheView",
     "ModelInfo",
     "Needs",

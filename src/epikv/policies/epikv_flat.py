@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from epikv.policies import register
 from epikv.policies.base import CacheView
 from epikv.policies.epiphany import BandedPolicy
+from epikv.policies.registry import register
 
 
 @register

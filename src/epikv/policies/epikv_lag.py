@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.base import CacheView, Policy, global_scores
+from epikv.policies.registry import register
 
 
 def layer_mean(view: CacheView, which: str) -> torch.Tensor:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.base import CacheView, global_scores
 from epikv.policies.epiphany import BandedPolicy
+from epikv.policies.registry import register
 
 
 def mean_key_variance(view: CacheView) -> torch.Tensor:

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.base import CacheView, ModelInfo, Needs, StepSignals
 from epikv.policies.epikv_seg import EpiKVSeg
 from epikv.policies.epiphany import EpiphanyState
+from epikv.policies.registry import register
 
 MODES = ("replace", "add")
 

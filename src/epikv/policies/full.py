@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epikv.policies import register
 from epikv.policies.base import Policy
+from epikv.policies.registry import register
 
 
 @register

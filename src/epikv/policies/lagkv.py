@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.base import CacheView, Policy
+from epikv.policies.registry import register
 
 
 @register

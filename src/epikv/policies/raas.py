@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from epikv.policies import register
 from epikv.policies.attention_common import AttentionPolicy, AttentionState, folded, stacked
 from epikv.policies.base import CacheView, StepSignals
+from epikv.policies.registry import register
 
 
 def refresh_timestamps(stamps: torch.Tensor, attention: torch.Tensor, now: float) -> torch.Tensor:

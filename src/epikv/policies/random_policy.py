@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from epikv.policies import register
 from epikv.policies.base import CacheView, ModelInfo, Policy, global_scores
+from epikv.policies.registry import register
 
 
 @register

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.attention_common import (
     AttentionPolicy,
     folded,
@@ -36,6 +35,7 @@ from epikv.policies.attention_common import (
     valid_rows,
 )
 from epikv.policies.base import CacheView, StepSignals
+from epikv.policies.registry import register
 
 
 def window_importance(rows: torch.Tensor, past: torch.Tensor, kernel: int) -> torch.Tensor:

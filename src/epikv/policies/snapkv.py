@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.attention_common import (
     AttentionPolicy,
     folded,
@@ -37,6 +36,7 @@ from epikv.policies.attention_common import (
     valid_rows,
 )
 from epikv.policies.base import CacheView, StepSignals
+from epikv.policies.registry import register
 
 
 @register

@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies import register
 from epikv.policies.attention_common import AttentionPolicy, AttentionState, stacked
 from epikv.policies.base import CacheView, ModelInfo, StepSignals, global_scores
+from epikv.policies.registry import register
 
 
 def kde_thresholds(values: torch.Tensor, grid: int = 256) -> tuple[float, float] | None:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from epikv.policies import register
 from epikv.policies.attention_common import AttentionPolicy, stacked, valid_rows
 from epikv.policies.base import CacheView, StepSignals
+from epikv.policies.registry import register
 
 
 @register
