@@ -22,6 +22,7 @@ from epikv.policies.raas import RaaS
 from epikv.policies.rkv import RKV
 from epikv.policies.snapkv import SnapKV
 from epikv.policies.thinkv import kmeans_representatives, plan_levels, thought_tiers
+from epikv.spec import CacheSpec
 from tests.conftest import make_tiny
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
@@ -96,8 +97,9 @@ def drive(policy, budget, steps, check, prompt=5, seed=0):
     """Feed a budgeted cache random keys and random attention rows by hand. ``check(cache, record)``
     runs after each step; record[t] maps (layer, kv head, true position) -> that query's row value."""
     gen = torch.Generator().manual_seed(seed)
-    policy = policy.resolve(INFO)
-    cache = BudgetedCache(policy, budget, INFO)
+    spec = CacheSpec.build(INFO, policy, budget)
+    policy = spec.policy
+    cache = BudgetedCache(spec, INFO)
     record: list[dict] = []
     for step in range(steps):
         q = prompt if step == 0 else 1
@@ -140,7 +142,7 @@ def test_snapkv_window_rows_follow_the_slots(interval):
     policy = SnapKV(window=4, kernel=3, interval=interval, recent=2)
 
     def check(cache, record):
-        got = cache.policy.score(cache.state, CacheView(cache))  # (G, 1, H, L)
+        got = cache.policy.score(cache.state, CacheView(cache, None, cache.budget))  # (G, 1, H, L)
         for layer in range(2):
             pos = cache.layers[layer].positions[0].expand(2, -1)
             for h in range(2):
@@ -185,7 +187,7 @@ def test_rkv_score_matches_loops(interval):
     checked = []
 
     def check(cache, record):
-        got = cache.policy.score(cache.state, CacheView(cache))
+        got = cache.policy.score(cache.state, CacheView(cache, None, cache.budget))
         for layer in range(2):
             pos = cache.layers[layer].positions[0].expand(2, -1)
             for h in range(2):

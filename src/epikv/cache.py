@@ -1,24 +1,31 @@
 """The budgeted KV cache: transformers cache layers that keep true positions and evict by policy.
 
-This module owns the budget K, the compaction interval tau, each slot's true position, which slots
-are real (left padding and batch "holes" are not), the per-token values policies store, and the
-counters users read (peak and final cached tokens, evictions, tokens seen). It calls the policy
-through two narrow calls (``observe`` each step, ``score`` at a compaction) and never branches on a
-policy's type. It does not know the model: the integration module feeds it each step's new tokens
-(:meth:`BudgetedCache.begin_step`) and signals (:meth:`BudgetedCache.end_step`).
+This module owns, per row of a batch: the budget K, the compaction interval tau and its own
+schedule (a row compacts when it holds more than K tokens and tau decode steps have passed since its
+last compaction, whatever the other rows do), each slot's true position, which slots are real (left
+padding and batch "holes" are not; holes always form a prefix of a row), the per-token values
+policies store, the policy's per-row state, and the counters users read. Rows can be taken out and
+spliced in between steps (:meth:`BudgetedCache.take_rows`, :meth:`BudgetedCache.append`), which is
+what the engine's continuous batching rests on. It calls the policy through two narrow calls
+(``observe`` each step, ``score`` at a compaction) and never branches on a policy's type. It does not
+know the model: the integration module feeds it each step's new tokens (:meth:`begin_step`) and
+signals (:meth:`end_step`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.functional import pad
 from transformers.cache_utils import Cache, DynamicLayer
 
-from epikv.policies.base import ModelInfo, Policy, StepSignals
+from epikv.policies.base import ModelInfo, StepSignals
+from epikv.policies.rows import cat_rows, take_rows
 from epikv.selection import gather_slots, gather_tokens, protected_slots, select_keep
+from epikv.spec import CacheSpec
 
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,12 +55,38 @@ class BudgetedLayer(DynamicLayer):
         pos = self.positions.expand(-1, index.shape[1], -1).gather(-1, index.to(torch.long))
         self.positions = pos.masked_fill(~valid[:, None, :], -1)
 
+    # -- rows (continuous batching) -------------------------------------------------------------
+    def take_rows(self, index: torch.Tensor, trim: int) -> None:
+        """Keep rows ``index`` and drop the first ``trim`` slots (holes in every kept row)."""
+        self.keys = self.keys[index, :, trim:]
+        self.values = self.values[index, :, trim:]
+        self.positions = self.positions[index, :, trim:]
+
+    def append_rows(self, other: BudgetedLayer) -> None:
+        """Add ``other``'s rows after these, left-padding the shorter side with holes."""
+        length = max(self.keys.shape[2], other.keys.shape[2])
+        parts = [_left_pad_layer(layer, length) for layer in (self, other)]
+        self.keys = torch.cat([p[0] for p in parts])
+        self.values = torch.cat([p[1] for p in parts])
+        self.positions = torch.cat([p[2] for p in parts])
+
     def reset(self) -> None:
         super().reset()
         self.positions = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("beam search is not supported with a budgeted cache (its rows evict independently)")
+
+
+def _left_pad_layer(layer: BudgetedLayer, length: int) -> tuple[torch.Tensor, ...]:
+    n = length - layer.keys.shape[2]
+    if n == 0:
+        return layer.keys, layer.values, layer.positions
+    return (
+        pad(layer.keys, (0, 0, n, 0)),
+        pad(layer.values, (0, 0, n, 0)),
+        pad(layer.positions, (n, 0), value=-1),
+    )
 
 
 @dataclass
@@ -68,34 +101,38 @@ class SequenceStats:
 
 
 class BudgetedCache(Cache):
-    """A cache holding at most ``budget`` real tokens per sequence after each compaction, and at most
-    budget + interval in between. ``budget=None`` never evicts (the ``full`` policy)."""
+    """A cache holding at most K real tokens per row after each of the row's compactions, and at most
+    K + tau in between. The spec's budget None never evicts (the ``full`` policy); ``budget`` narrows
+    this cache's K below the spec's (a request's own budget)."""
 
-    def __init__(
-        self, policy: Policy, budget: int | None, model: ModelInfo, interval: int | None = None
-    ) -> None:
-        if budget is not None and budget <= 0:
-            raise ValueError(f"budget must be a positive number of tokens, got {budget}")
-        if interval is not None and interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+    def __init__(self, spec: CacheSpec, model: ModelInfo, budget: int | None = None) -> None:
+        if budget is not None and (spec.budget is None or not 0 < budget <= spec.budget):
+            raise ValueError(f"a row budget must be in 1..{spec.budget} (the spec's), got {budget}")
         super().__init__(layers=[BudgetedLayer() for _ in range(model.num_layers)])
-        self.policy = policy
-        self.budget = budget if policy.evicts else None
-        self.interval = interval if interval is not None else policy.interval
+        self.spec = spec
+        self.policy = spec.policy
+        self.budget = budget if budget is not None else spec.budget
+        self.interval = spec.interval
         self.model = model
         self.project_queries: QueryProjector | None = None
+        self.owner: Any = None  # the attachment whose hooks feed this cache
         self._clear()
 
     def _clear(self) -> None:
         self.state: Any = None
         self.valid: torch.Tensor | None = None
-        self.prompt_len = self.seen = self.evicted = self.peak = torch.zeros(0, dtype=torch.long)
+        self.prompt_len = self.seen = torch.zeros(0, dtype=torch.long)
         self.buffers: dict[str, torch.Tensor] = {}
         self.compactions = 0
         self._pending: torch.Tensor | None = None
-        self._held_max = 0  # host-side max real tokens held, so the decode step never syncs
-        self._steps_since = self.interval
         self.has_holes = False
+        # Host-side per-row books, so the decode step never waits on the device to decide anything.
+        self.held: list[int] = []
+        self.since: list[int] = []
+        self.budgets: list[int | None] = []
+        self.peak: list[int] = []
+        self.evicted: list[int] = []
+        self.row_compactions: list[int] = []
 
     def reset(self) -> None:
         super().reset()
@@ -104,6 +141,10 @@ class BudgetedCache(Cache):
     @property
     def started(self) -> bool:
         return self.valid is not None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.held)
 
     def update(self, key_states, value_states, layer_idx: int, *args: Any, **kwargs: Any):
         kwargs["positions"] = self._pending
@@ -119,23 +160,27 @@ class BudgetedCache(Cache):
     def begin_step(self, new_valid: torch.Tensor, positions: torch.Tensor) -> None:
         batch, q = new_valid.shape
         if not self.started:
-            device = new_valid.device
             self.prompt_len = new_valid.sum(dim=-1)
-            self.seen = torch.zeros(batch, dtype=torch.long, device=device)
-            self.evicted = torch.zeros_like(self.seen)
-            self.peak = torch.zeros_like(self.seen)
-            self._check_budget(int(self.prompt_len.max()))
-            self.state = self.policy.init_state(batch, self.model, device)
+            self.seen = torch.zeros(batch, dtype=torch.long, device=new_valid.device)
+            prompts = self.prompt_len.tolist()  # one host sync per prefill
+            for tokens in prompts:
+                self.spec.check_prompt(tokens, self.budget)
+            self.state = self.policy.init_state(batch, self.model, new_valid.device)
             self.valid = new_valid.clone()
             self.has_holes = not bool(new_valid.all())
-            self._held_max = int(self.prompt_len.max())
-        else:
+            self.held, self.peak = list(prompts), list(prompts)
+            self.since = [self.interval] * batch  # a row may compact right after its prefill
+            self.budgets = [self.budget] * batch
+            self.evicted, self.row_compactions = [0] * batch, [0] * batch
+        else:  # later passes feed q real tokens to every row (the attention mask is ours)
             self.valid = torch.cat([self.valid, new_valid], dim=-1)
-            self._held_max += q
+            self.held = [h + q for h in self.held]
+            self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
         self._pending = positions.masked_fill(~new_valid, -1).to(torch.int32)
 
     def end_step(self, signals: StepSignals) -> None:
         signals.buffers = self.buffers
+        signals.slots_valid = self.valid
         total = self.valid.shape[-1]
         for name, value in self.policy.observe(self.state, signals).items():
             old = self.buffers.get(name)
@@ -144,50 +189,71 @@ class BudgetedCache(Cache):
             else:
                 self.buffers[name] = torch.cat([old, value.to(old.dtype)], dim=-1)
         self.seen = self.seen + signals.valid.sum(dim=-1)
-        self.peak = torch.maximum(self.peak, self.valid.sum(dim=-1))
         if not signals.prefill:
-            self._steps_since += 1
-        if self.budget is not None and self._held_max > self.budget and self._steps_since >= self.interval:
-            self.compact()
+            self.since = [s + 1 for s in self.since]
+        due = self.due_rows()
+        if due:
+            self.compact(due)
 
-    def _check_budget(self, prompt_tokens: int) -> None:
-        if self.budget is None:
-            return
-        recent = self.policy.recent_window(self.budget)
-        needed = (prompt_tokens if self.policy.protect_prompt else self.policy.n_sink) + recent
-        if needed > self.budget:
-            what = "prompt" if self.policy.protect_prompt else f"{self.policy.n_sink} sinks"
-            raise ValueError(
-                f"budget {self.budget} cannot hold the protected tokens of policy {self.policy.name!r}: "
-                f"{what} ({prompt_tokens if self.policy.protect_prompt else self.policy.n_sink}) + recent "
-                f"window ({recent}) = {needed}; use --budget >= {needed}"
-            )
+    def due_rows(self) -> list[int]:
+        """Rows over their budget whose interval has passed since their last compaction."""
+        rows = zip(self.held, self.since, self.budgets, strict=True)
+        return [r for r, (h, s, k) in enumerate(rows) if k is not None and h > k and s >= self.interval]
 
     # -- compaction ----------------------------------------------------------------------------
-    def compact(self) -> None:
-        """Score, select and gather: the only place tokens leave the cache."""
-        view = CacheView(self)
-        scores = self.policy.score(self.state, view)
-        positions = self._positions_for(scores)
+    def compact(self, rows: Sequence[int] | None = None) -> None:
+        """Score, select and gather ``rows`` (default: every row with a budget): the only place
+        tokens leave the cache. Other rows keep every slot; each budget among ``rows`` is scored
+        in one call, so a policy always sees one K."""
+        rows = [r for r, k in enumerate(self.budgets) if k is not None] if rows is None else list(rows)
+        if not rows:
+            return
+        full: torch.Tensor | None = None
+        for budget in sorted({self.budgets[r] for r in rows}):
+            group = [r for r in rows if self.budgets[r] == budget]
+            scores = self._score(group, budget)
+            if full is None:
+                g, _, h, length = scores.shape
+                full = scores.new_full((g, self.batch_size, h, length), float("inf"))
+            full[:, group] = scores.float()
+        chosen = set(rows)
+        keep = [k if r in chosen else h for r, (k, h) in enumerate(zip(self.budgets, self.held, strict=True))]
+        recent = [self.policy.recent_window(k) if r in chosen else 0 for r, k in enumerate(self.budgets)]
+        device = self.valid.device
         protected = protected_slots(
-            positions,
+            self._positions_for(full),
             self.prompt_len,
             self.seen,
             protect_prompt=self.policy.protect_prompt,
             n_sink=self.policy.n_sink,
-            recent=self.policy.recent_window(self.budget),
+            recent=torch.tensor(recent, device=device),
         )
-        keep = torch.full_like(self.seen, self.budget)
-        sel = select_keep(scores, protected, self.valid, keep)
+        sel = select_keep(full, protected, self.valid, torch.tensor(keep, device=device))
         for i, layer in enumerate(self.layers):
             layer.compact(sel.index[i if sel.index.shape[0] > 1 else 0], sel.valid)
         self.buffers = {name: gather_tokens(buf, sel.index) for name, buf in self.buffers.items()}
-        self.evicted = self.evicted + self.valid.sum(dim=-1) - sel.kept
+        kept = sel.kept.tolist()
+        self.evicted = [e + h - k for e, h, k in zip(self.evicted, self.held, kept, strict=True)]
+        self.held = kept
+        for r in rows:
+            self.since[r] = 0
+            self.row_compactions[r] += 1
         self.valid = sel.valid
-        self.has_holes = not bool(sel.valid.all())
-        self._held_max = int(sel.kept.max())
-        self._steps_since = 0
+        self.has_holes = min(kept) < max(kept)
         self.compactions += 1
+
+    def _score(self, rows: list[int], budget: int) -> torch.Tensor:
+        """The policy's scores for ``rows`` at one budget, (G, len(rows), H, L). The policy sees those
+        rows only (and their state, written back after: scoring may advance it)."""
+        if len(rows) == self.batch_size:
+            return self.policy.score(self.state, CacheView(self, None, budget))
+        state = take_rows(self.state, rows)
+        scores = self.policy.score(state, CacheView(self, rows, budget))
+        others = [r for r in range(self.batch_size) if r not in rows]
+        merged = cat_rows([take_rows(self.state, others), state])
+        order = others + rows
+        self.state = take_rows(merged, sorted(range(len(order)), key=order.__getitem__))
+        return scores
 
     def _positions_for(self, scores: torch.Tensor) -> torch.Tensor:
         """Slot positions shaped like the scores' (G, B, H, L) layout."""
@@ -195,40 +261,97 @@ class BudgetedCache(Cache):
             return torch.stack([layer.positions for layer in self.layers])
         return self.layers[0].positions[None]
 
+    # -- rows (continuous batching) ----------------------------------------------------------------
+    def take_rows(self, index: Sequence[int]) -> None:
+        """Keep only rows ``index`` (in that order), freeing what the others held; a hole prefix
+        common to every kept row is cut off."""
+        index = list(index)
+        held = [self.held[r] for r in index]
+        if not index:
+            self.reset()
+            return
+        trim = self.valid.shape[-1] - max(held)
+        rows = torch.tensor(index, dtype=torch.long, device=self.valid.device)
+        for layer in self.layers:
+            layer.take_rows(rows, trim)
+        self.valid = self.valid[rows, trim:]
+        self.buffers = {name: buf[:, rows, :, trim:] for name, buf in self.buffers.items()}
+        self.prompt_len, self.seen = self.prompt_len[rows], self.seen[rows]
+        self.state = take_rows(self.state, index)
+        for name in ("held", "since", "budgets", "peak", "evicted", "row_compactions"):
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in index])
+        self.has_holes = min(held) < max(held)
+
+    def append(self, other: BudgetedCache) -> None:
+        """Splice the rows of ``other`` (same spec, already prefilled) in after this cache's rows."""
+        if other.spec != self.spec:
+            raise ValueError("only caches of one spec can share a batch")
+        if not other.started:
+            raise ValueError("a cache must be prefilled before it joins a batch")
+        if not self.started:
+            self._adopt(other)
+            return
+        length = max(self.valid.shape[-1], other.valid.shape[-1])
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.append_rows(theirs)
+        self.valid = torch.cat([_left_pad(c.valid, length, False) for c in (self, other)])
+        names = self.buffers.keys() | other.buffers.keys()
+        self.buffers = {
+            name: torch.cat([_left_pad(c.buffers[name], length, 0) for c in (self, other)], dim=1)
+            for name in names
+        }
+        self.prompt_len = torch.cat([self.prompt_len, other.prompt_len])
+        self.seen = torch.cat([self.seen, other.seen])
+        self.state = cat_rows([self.state, other.state])
+        for name in ("held", "since", "budgets", "peak", "evicted", "row_compactions"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.has_holes = min(self.held) < length
+
+    def _adopt(self, other: BudgetedCache) -> None:
+        self.layers = other.layers
+        for name in ("valid", "buffers", "prompt_len", "seen", "state", "has_holes", "held", "since"):
+            setattr(self, name, getattr(other, name))
+        for name in ("budgets", "peak", "evicted", "row_compactions"):
+            setattr(self, name, getattr(other, name))
+
     # -- reporting -----------------------------------------------------------------------------
     def stats(self) -> list[SequenceStats]:
-        held = self.valid.sum(dim=-1) if self.started else self.seen
-        rows = zip(
-            self.prompt_len.tolist(),
-            self.seen.tolist(),
-            self.peak.tolist(),
-            held.tolist(),
-            self.evicted.tolist(),
-            strict=True,
-        )
+        seen = self.seen.tolist()
+        rows = zip(self.prompt_len.tolist(), seen, self.peak, self.held, self.evicted, strict=True)
         return [SequenceStats(*row) for row in rows]
 
 
-class CacheView:
-    """The read-only view policies score from (implements ``epikv.policies.base.CacheView``)."""
+def _left_pad(x: torch.Tensor, length: int, value: Any) -> torch.Tensor:
+    """Left-pad the last dim of x to ``length`` with ``value`` (holes at the front, as padding)."""
+    return pad(x, (length - x.shape[-1], 0), value=value)
 
-    def __init__(self, cache: BudgetedCache) -> None:
+
+class CacheView:
+    """The read-only view policies score from (implements ``epikv.policies.base.CacheView``): some
+    rows of the cache (all when ``rows`` is None) at one budget."""
+
+    def __init__(self, cache: BudgetedCache, rows: list[int] | None, budget: int) -> None:
         self._cache = cache
-        self.budget = cache.budget
+        self._rows = None if rows is None else torch.tensor(rows, device=cache.valid.device)
+        self.budget = budget
         self.num_layers = len(cache.layers)
-        self.prompt_len = cache.prompt_len
-        self.seen = cache.seen
-        self.valid = cache.valid
-        self.buffers = cache.buffers
+        self.prompt_len = self._pick(cache.prompt_len)
+        self.seen = self._pick(cache.seen)
+        self.valid = self._pick(cache.valid)
+        self.buffers = {name: self._pick(buf, dim=1) for name, buf in cache.buffers.items()}
+
+    def _pick(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return x if self._rows is None else x.index_select(dim, self._rows)
 
     def keys(self, layer: int) -> torch.Tensor:
-        return self._cache.layers[layer].keys
+        return self._pick(self._cache.layers[layer].keys)
 
     def values(self, layer: int) -> torch.Tensor:
-        return self._cache.layers[layer].values
+        return self._pick(self._cache.layers[layer].values)
 
     def positions(self, layer: int = 0) -> torch.Tensor:
-        return self._cache.layers[layer].positions.long()
+        return self._pick(self._cache.layers[layer].positions).long()
 
     def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._cache.project_queries is None:

@@ -78,18 +78,27 @@ def _shipped(model: str) -> BandProfile | None:
 
 def find_profile(model: str, num_layers: int) -> BandProfile:
     """The band profile for a model identity; scaled paper bands (with a warning) when none exists."""
+    return locate_profile(model, num_layers)[0]
+
+
+def locate_profile(model: str, num_layers: int) -> tuple[BandProfile, str]:
+    """The band profile for a model identity and where it came from (a line for logs and configs)."""
     user = user_profile_dir() / profile_filename(model)
-    found = load_profile_file(user) if user.is_file() else _shipped(model)
+    if user.is_file():
+        found, origin = load_profile_file(user), f"user profile {user}"
+    else:
+        found, origin = _shipped(model), f"shipped profile {profile_filename(model)}"
     if found is None and model in BUILTIN:
         n, a, b = BUILTIN[model]
-        found = BandProfile(model, n, a, b, method="paper (authors' repo)")
+        found, origin = BandProfile(model, n, a, b, method="paper (authors' repo)"), "paper (authors' repo)"
     if found is not None:
         if found.num_layers != num_layers:
             raise ValueError(
                 f"profile for {model} is for {found.num_layers} layers but the model has {num_layers}"
             )
-        return found
-    return scaled_profile(model, num_layers)
+        return found, origin
+    profile = scaled_profile(model, num_layers)
+    return profile, profile.method
 
 
 def scaled_profile(model: str, num_layers: int) -> BandProfile:

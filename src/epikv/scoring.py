@@ -22,21 +22,23 @@ def step_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm((current - previous).float(), dim=-1)
 
 
-def rolling_zscore(window: torch.Tensor, count: int) -> torch.Tensor:
+def rolling_zscore(window: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
     """Causal rolling z-score of the newest value against a window that includes it.
 
     window: (B, W) holding the last min(count, W) values in its *last* columns (older first);
-    count: how many values have been seen so far (all rows step together).
-    Population std, epsilon 1e-6, and 0 while fewer than two values exist (paper §1.3 step 3).
+    count: how many values each row has seen so far, (B,) or one int for every row.
+    Population std, epsilon 1e-6, and 0 while a row has fewer than two values (paper §1.3 step 3).
     Returns (B,) float32.
     """
-    n = min(count, window.shape[-1])
-    if n < 2:
-        return torch.zeros(window.shape[0], dtype=torch.float32, device=window.device)
-    values = window[:, -n:].float()
-    mean = values.mean(dim=-1)
-    std = values.std(dim=-1, correction=0)
-    return (values[:, -1] - mean) / (std + EPS)
+    b, w = window.shape
+    n = torch.as_tensor(count, device=window.device).clamp(max=w).expand(b)
+    values = window.float()
+    inside = (torch.arange(w, device=window.device)[None, :] >= (w - n)[:, None]).float()
+    size = n.clamp_min(1).float()
+    mean = (values * inside).sum(dim=-1) / size
+    std = ((((values - mean[:, None]) * inside) ** 2).sum(dim=-1) / size).sqrt()
+    z = (values[:, -1] - mean) / (std + EPS)
+    return torch.where(n >= 2, z, torch.zeros_like(z))
 
 
 def push_window(window: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -152,13 +154,15 @@ def qk_relevance(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     key_valid: torch.Tensor,
+    query_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Relevance of each cached slot to the recent queries (Seg-Q, §1.7).
 
     queries: (B, Hq, W, D) post-RoPE; keys: (B, H, L, D) post-RoPE with Hq a multiple of H (GQA);
-    query_positions: (B, W); key_positions: (B, L); key_valid: (B, L) bool.
+    query_positions: (B, W); key_positions: (B, L); key_valid: (B, L) bool; query_valid: (B, W) bool,
+    False for query slots a row does not have yet (None = all real).
     softmax(q·kᵀ/√D) over slots with a causal mask (a key is visible to a query when its position is
-    not after the query's), averaged over the W queries and all heads. Returns (B, L) float32.
+    not after the query's), averaged over a row's real queries and all heads. Returns (B, L) float32.
     """
     hq, d = queries.shape[1], queries.shape[3]
     h = keys.shape[1]
@@ -167,7 +171,10 @@ def qk_relevance(
     visible = key_valid[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
     logits = logits.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    return probs.mean(dim=(1, 2))
+    if query_valid is None:
+        return probs.mean(dim=(1, 2))
+    weight = query_valid.float()[:, None, :, None]
+    return (probs * weight).sum(dim=(1, 2)) / (hq * weight.sum(dim=(1, 2)).clamp_min(1.0))
 
 
 def masked_zscore(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -35,19 +35,20 @@ def protected_slots(
     *,
     protect_prompt: bool,
     n_sink: int,
-    recent: int,
+    recent: int | torch.Tensor,
 ) -> torch.Tensor:
     """Slots no policy may evict: the prompt (or the first n_sink positions) and the last ``recent``.
 
     positions: (G, B, H, L) true positions (negative at holes); prompt_len, seen: (B,) real prompt
-    tokens and real tokens seen per row. Returns a (G, B, H, L) bool tensor.
+    tokens and real tokens seen per row; recent: one window for every row, or (B,) per row.
+    Returns a (G, B, H, L) bool tensor.
     """
     p = positions.long()
     prot = p < n_sink
     if protect_prompt:
         prot = prot | (p < prompt_len[None, :, None, None])
-    if recent > 0:
-        prot = prot | (p >= (seen - recent)[None, :, None, None])
+    # A window of 0 protects nothing: seen - 0 is past every cached position.
+    prot = prot | (p >= (seen - recent)[None, :, None, None])
     return prot & (p >= 0)
 
 

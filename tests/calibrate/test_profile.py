@@ -10,9 +10,9 @@ import pytest
 from epikv.calibrate.cli import QUICK, add_calibrate_parser, config_from_args
 from epikv.calibrate.profile import build_profile, write_profile
 from epikv.calibrate.stats import choose_bands
-from epikv.policies import get_policy
 from epikv.policies.base import ModelInfo
 from epikv.profiles import find_profile, load_profile_file, profile_filename, user_profile_dir
+from epikv.spec import CacheSpec
 
 
 def _profile(model: str = "org/model-x", layers: int = 6):
@@ -55,8 +55,9 @@ def test_shipped_profile_for_the_embedded_model(tmp_path, monkeypatch):
     # every EpiKV policy resolves its bands from it (the default, SegQ, needs a layer after Band A)
     info = ModelInfo("smollm2-135m", 30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)
     for name in ("epikv", "epikv-flat", "epikv-seg"):
-        policy = get_policy(name).resolve(info)
-        assert (policy.band_a, policy.band_b) == (profile.band_a, profile.band_b)
+        spec = CacheSpec.build(info, name, 256)
+        assert (spec.policy.band_a, spec.policy.band_b) == (profile.band_a, profile.band_b)
+        assert spec.bands.origin.startswith(("shipped profile", "user profile"))
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -2,14 +2,23 @@
 and attention capture. Everything else in epikv sees models only through this package."""
 
 from epikv.integration.arch import ARCHITECTURES, ArchSpec, check_supported, model_info, project_queries
-from epikv.integration.hooks import active_hooks, attach, attention_implementation, resolve_policy
+from epikv.integration.hooks import (
+    Attachment,
+    active_hooks,
+    attach,
+    attention_implementation,
+    build_spec,
+    resolve_policy,
+)
 
 __all__ = [
     "ARCHITECTURES",
     "ArchSpec",
+    "Attachment",
     "active_hooks",
     "attach",
     "attention_implementation",
+    "build_spec",
     "check_supported",
     "model_info",
     "project_queries",

@@ -1,6 +1,6 @@
 """Hooks that attach a budgeted cache to a model for the duration of a `with` block.
 
-It attaches a :class:`~epikv.cache.BudgetedCache` to a causal LM through public seams only:
+It feeds :class:`~epikv.cache.BudgetedCache` objects from a causal LM through public seams only:
 forward hooks installed by a context manager that always removes them, and the ``cache`` argument
 of the model's forward / ``generate``. A pre-hook on the decoder stack gives each step true positions
 and the cache's padding mask; hooks on the band layers capture their output hidden states for the
@@ -10,96 +10,123 @@ its attention implementation (SDPA, FlashAttention): nothing here asks for atten
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from epikv.cache import BudgetedCache
-from epikv.integration.arch import (
-    base_model,
-    check_supported,
-    decoder_layers,
-    model_info,
-    project_queries,
-    text_config,
-)
+from epikv.integration.arch import base_model, check_supported, decoder_layers, model_info, text_config
+from epikv.integration.arch import project_queries as _project_queries
 from epikv.integration.attention import AttentionCapture
-from epikv.policies import Policy, get_policy
+from epikv.policies import Policy
 from epikv.policies.base import StepSignals
+from epikv.spec import CacheSpec
+
+
+def build_spec(
+    model: nn.Module,
+    policy: str | Policy | CacheSpec = "epikv",
+    budget: int | str | None = None,
+    *,
+    interval: int | None = None,
+    attention: str = "recompute",
+    params: Mapping[str, Any] | Sequence[str] | None = None,
+) -> CacheSpec:
+    """:meth:`CacheSpec.build` for a model (a spec passed in is returned as it is)."""
+    if isinstance(policy, CacheSpec):
+        return policy
+    check_supported(model)
+    return CacheSpec.build(
+        model_info(model), policy, budget, interval=interval, attention=attention, params=params
+    )
 
 
 def resolve_policy(model: nn.Module, policy: str | Policy, **params: Any) -> Policy:
     """The policy with its parameters and model-dependent defaults (bands) filled in."""
-    return get_policy(policy, **params).resolve(model_info(model))
+    spec = build_spec(model, policy, 1, params=params)
+    return spec.policy
 
 
-class attach:
-    """Attach a budgeted cache and its hooks to ``model`` for the duration of a ``with`` block.
+class Attachment:
+    """The hooks that feed every :class:`BudgetedCache` of one spec on one model.
 
-    ``attention`` chooses where attention rows come from for policies that need them: ``recompute``
-    (beside the fused kernel, the default) or ``eager`` (the model runs eager attention while
-    attached). Inside the block pass the returned cache to ``model(..., cache=cache)`` or
-    ``model.generate(..., past_key_values=cache)``; one cache serves one generation (call
-    ``cache.reset()`` before reusing it). All hooks are removed on exit, even after an error.
+    Enter it (re-entrant) to install the hooks, leave it to remove them; caches made by
+    :meth:`new_cache` are served whenever they are passed to the model's forward, and any other cache
+    is ignored, so several attachments (policies) can take turns on one model.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        policy: str | Policy = "epikv",
-        budget: int | None = None,
-        interval: int | None = None,
-        attention: str = "recompute",
-        **params: Any,
-    ) -> None:
-        self.spec = check_supported(model)
+    def __init__(self, model: nn.Module, spec: CacheSpec) -> None:
+        self.spec_arch = check_supported(model)
         self.model = model
-        info = model_info(model)
-        self.policy = resolve_policy(model, policy, **params)
-        needs = self.policy.needs()
+        self.spec = spec
+        self.info = model_info(model)
+        needs = spec.policy.needs()
         self.attention = (
-            AttentionCapture(model, self.spec, needs.attention_layers, needs.attention_queries, attention)
+            AttentionCapture(
+                model, self.spec_arch, needs.attention_layers, needs.attention_queries, spec.attention
+            )
             if needs.attention_layers
             else None
         )
-        self.attention_mode = attention if needs.attention_layers else None
-        if self.policy.evicts and budget is None:
-            raise ValueError(f"policy {self.policy.name!r} evicts and needs a budget (tokens), got None")
-        self.cache = BudgetedCache(self.policy, budget, info, interval)
-        self.cache.project_queries = self._project
         self._handles: list[Any] = []
+        self._depth = 0
         self._hidden: dict[int, torch.Tensor] = {}
-        self._step: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        self._step: tuple[BudgetedCache, torch.Tensor, torch.Tensor, bool] | None = None
 
-    def _project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return project_queries(self.model, self.spec, layer, hidden, positions)
+    def new_cache(self, budget: int | None = None) -> BudgetedCache:
+        """An empty cache of this spec fed by these hooks (``budget`` narrows the spec's K)."""
+        cache = BudgetedCache(self.spec, self.info, budget)
+        cache.project_queries = self.project
+        cache.owner = self
+        return cache
 
-    def __enter__(self) -> BudgetedCache:
+    def project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return _project_queries(self.model, self.spec_arch, layer, hidden, positions)
+
+    @property
+    def installed(self) -> bool:
+        return self._depth > 0
+
+    def __enter__(self) -> Attachment:
+        self._depth += 1
+        if self._depth == 1:
+            self._install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._remove()
+
+    def _install(self) -> None:
         base = base_model(self.model)
         self._handles.append(base.register_forward_pre_hook(self._before, with_kwargs=True))
         self._handles.append(base.register_forward_hook(self._after, with_kwargs=True))
         layers = decoder_layers(self.model)
-        for index in self.policy.needs().hidden_layers:
+        for index in self.spec.policy.needs().hidden_layers:
             self._handles.append(layers[index].register_forward_hook(self._capture(index)))
         if self.attention is not None:
             self._handles.extend(self.attention.install())
-        return self.cache
 
-    def __exit__(self, *exc: object) -> None:
+    def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._hidden.clear()
+        self._step = None
         if self.attention is not None:
             self.attention.restore()
 
     # -- hooks -----------------------------------------------------------------------------------
-    def _ours(self, kwargs: dict[str, Any]) -> bool:
-        return kwargs.get("cache", kwargs.get("past_key_values")) is self.cache
+    def _ours(self, kwargs: dict[str, Any]) -> BudgetedCache | None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache if isinstance(cache, BudgetedCache) and cache.owner is self else None
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        if not self._ours(kwargs):
+        cache = self._ours(kwargs)
+        if cache is None:
             return None
         x = kwargs.get("input_ids")
         if x is None:
@@ -109,15 +136,15 @@ class attach:
         if mask is not None and mask.dim() != 2:
             raise ValueError("a budgeted cache needs a 2D attention mask (or none), got a 4D mask")
         ones = torch.ones(batch, q, dtype=torch.bool, device=x.device)
-        new_valid = mask[:, -q:].bool() if (mask is not None and not self.cache.started) else ones
-        prefill = not self.cache.started
-        positions = self.cache.next_positions(new_valid)
-        self.cache.begin_step(new_valid, positions)
-        self._step = (new_valid, positions, prefill)
+        new_valid = mask[:, -q:].bool() if (mask is not None and not cache.started) else ones
+        prefill = not cache.started
+        positions = cache.next_positions(new_valid)
+        cache.begin_step(new_valid, positions)
+        self._step = (cache, new_valid, positions, prefill)
         if self.attention is not None:
             self.attention.active = True
         kwargs["position_ids"] = positions
-        kwargs["attention_mask"] = self.cache.valid.long() if self.cache.has_holes else None
+        kwargs["attention_mask"] = cache.valid.long() if cache.has_holes else None
         return args, kwargs
 
     def _capture(self, index: int):
@@ -126,14 +153,14 @@ class attach:
                 hidden = (output[0] if isinstance(output, tuple) else output).detach()
                 # At prefill only the last prompt row is kept: policies read nothing else there,
                 # and holding the whole (B, P, hidden) output would add to peak prefill memory.
-                self._hidden[index] = hidden[:, -1:] if self._step[2] else hidden
+                self._hidden[index] = hidden[:, -1:] if self._step[3] else hidden
 
         return hook
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        if self._step is None or not self._ours(kwargs):
+        if self._step is None or self._ours(kwargs) is None:
             return
-        new_valid, positions, prefill = self._step
+        cache, new_valid, positions, prefill = self._step
         self._step = None
         signals = StepSignals(
             hidden=dict(self._hidden), valid=new_valid, positions=positions, prefill=prefill
@@ -141,12 +168,43 @@ class attach:
         self._hidden.clear()
         if self.attention is not None:
             self.attention.active = False
-            keys = {i: self.cache.layers[i].keys for i in self.attention.layers}
-            signals.attention, signals.attention_colsum = self.attention.collect(
-                keys, self.cache.valid, new_valid
-            )
+            keys = {i: cache.layers[i].keys for i in self.attention.layers}
+            signals.attention, signals.attention_colsum = self.attention.collect(keys, cache.valid, new_valid)
         with torch.no_grad():
-            self.cache.end_step(signals)
+            cache.end_step(signals)
+
+
+class attach:
+    """Attach a budgeted cache and its hooks to ``model`` for the duration of a ``with`` block.
+
+    ``policy`` is a name, a policy instance or a ready :class:`CacheSpec`; ``attention`` chooses
+    where attention rows come from for policies that need them: ``recompute`` (beside the fused
+    kernel, the default) or ``eager`` (the model runs eager attention while attached). Inside the
+    block pass the returned cache to ``model(..., cache=cache)`` or
+    ``model.generate(..., past_key_values=cache)``; one cache serves one generation (call
+    ``cache.reset()`` before reusing it). All hooks are removed on exit, even after an error.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: str | Policy | CacheSpec = "epikv",
+        budget: int | str | None = None,
+        interval: int | None = None,
+        attention: str = "recompute",
+        **params: Any,
+    ) -> None:
+        spec = build_spec(model, policy, budget, interval=interval, attention=attention, params=params)
+        self.attachment = Attachment(model, spec)
+        self.spec, self.policy = spec, spec.policy
+        self.cache = self.attachment.new_cache()
+
+    def __enter__(self) -> BudgetedCache:
+        self.attachment.__enter__()
+        return self.cache
+
+    def __exit__(self, *exc: object) -> None:
+        self.attachment.__exit__(*exc)
 
 
 def active_hooks(model: nn.Module) -> int:

@@ -10,7 +10,7 @@ selection function; the integration module supplies the signals.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -56,6 +56,16 @@ class ModelInfo:
     hidden_size: int
 
 
+@dataclass(frozen=True)
+class Bands:
+    """A model's EpiKV band layers as data (the cache spec looks the profile up; policies never read
+    files). ``origin`` says where they came from, for logs and saved configs."""
+
+    band_a: int
+    band_b: int
+    origin: str = ""
+
+
 @dataclass
 class StepSignals:
     """One forward pass seen by a policy.
@@ -66,7 +76,8 @@ class StepSignals:
     attention: layer -> (B, Hq, w, L) attention rows of the last w = ``Needs.attention_queries`` new
     tokens over the cache after the update; attention_colsum: layer -> (B, Hq, L) the rows of all new
     tokens summed (only for policies that declare attention layers); buffers: the cache's stored
-    per-token values before this step (name -> (G, B, H, L_old)).
+    per-token values before this step (name -> (G, B, H, L_old)); slots_valid: (B, L) the cache's
+    real slots after this step's update (False at holes: left padding, rows of other lengths).
     """
 
     hidden: dict[int, torch.Tensor]
@@ -76,6 +87,7 @@ class StepSignals:
     attention: dict[int, torch.Tensor] = field(default_factory=dict)
     attention_colsum: dict[int, torch.Tensor] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    slots_valid: torch.Tensor | None = None
 
 
 class CacheView(Protocol):
@@ -94,9 +106,13 @@ class CacheView(Protocol):
     def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 
+S = TypeVar("S")
+
+
 @dataclass(frozen=True)
-class Policy:
-    """Base of every policy. Subclasses are frozen dataclasses whose fields are the hyperparameters.
+class Policy(Generic[S]):
+    """Base of every policy. Subclasses are frozen dataclasses whose fields are the hyperparameters;
+    ``S`` is the type of its per-generation state (a :class:`~epikv.policies.rows.RowState`, or None).
 
     interval: compaction interval tau in decode steps (1 = every step).
     recent: protected recent window; None = the method's default (see :meth:`recent_window`).
@@ -111,6 +127,8 @@ class Policy:
     # What the policy reads, for listings made without a model ("hidden_states", "recent_queries",
     # "attention_weights"); ``needs()`` gives the exact layers once resolved.
     requires: ClassVar[tuple[str, ...]] = ()
+    # Whether ``resolve`` reads EpiKV band layers (the spec then looks up the model's profile).
+    uses_bands: ClassVar[bool] = False
 
     interval: int = 1
     recent: int | None = None
@@ -131,8 +149,8 @@ class Policy:
     def needs(self) -> Needs:
         return Needs()
 
-    def resolve(self, model: ModelInfo) -> Policy:
-        """Fill model-dependent defaults (bands) and check them against the model."""
+    def resolve(self, model: ModelInfo, bands: Bands | None = None) -> Policy[S]:
+        """Fill model-dependent defaults (bands, given as data) and check them against the model."""
         return self
 
     def recent_window(self, budget: int) -> int:
@@ -157,7 +175,7 @@ class Policy:
             "defaults": defaults,
         }
 
-    def with_params(self, **params: Any) -> Policy:
+    def with_params(self, **params: Any) -> Policy[S]:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -165,17 +183,18 @@ class Policy:
         return replace(self, **params)
 
     # -- per generation ------------------------------------------------------------------------
-    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
-        return None
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> S:
+        """Fresh per-row state for ``batch_size`` rows (None for a stateless policy)."""
+        return None  # type: ignore[return-value]
 
-    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
+    def observe(self, state: S, step: StepSignals) -> dict[str, torch.Tensor]:
         """Per-token values stored aligned with the slots, name -> (G, B, H, n).
 
         n = q (the new tokens only) appends to the stored buffer; n = L_old + q (every slot, as
         when accumulating attention) replaces it. Return every buffer at every step."""
         return {}
 
-    def score(self, state: Any, view: CacheView) -> torch.Tensor:
+    def score(self, state: S, view: CacheView) -> torch.Tensor:
         """Scores of the cached slots, (G, B, H, L); +inf keeps, -inf drops; higher is kept first."""
         raise NotImplementedError(f"policy {self.name!r} does not score")  # pragma: no cover
 

@@ -29,7 +29,7 @@ def layer_mean(view: CacheView, which: str) -> torch.Tensor:
 
 @register
 @dataclass(frozen=True)
-class EpiKVLag(Policy):
+class EpiKVLag(Policy[None]):
     """Prompt and last r kept; generated tokens ranked by lag-normalised K+V spread (keys only if
     ``use_values`` is False, the repo's lag_kv_key)."""
 
@@ -46,9 +46,11 @@ class EpiKVLag(Policy):
             raise ValueError(f"{self.name}: lag must be >= 2, got {self.lag}")
 
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
-        s = scoring.lag_normalized_spread(layer_mean(view, "keys"), self.lag, "previous").mean(dim=1)
-        if self.use_values:
-            s = s + scoring.lag_normalized_spread(layer_mean(view, "values"), self.lag, "previous").mean(
-                dim=1
-            )
-        return global_scores(s)
+        means = [layer_mean(view, "keys")] + ([layer_mean(view, "values")] if self.use_values else [])
+        out = torch.full(view.valid.shape, float("-inf"), device=view.valid.device)
+        holes = (~view.valid).sum(dim=-1).tolist()  # holes are a prefix of each row
+        for row, start in enumerate(holes):  # rows of a batch, at compaction only
+            # Chunks are counted from the row's first real slot, so a row scores the same in any batch.
+            spreads = [scoring.lag_normalized_spread(x[row : row + 1, :, start:], self.lag) for x in means]
+            out[row, start:] = sum(s.mean(dim=1)[0] for s in spreads)
+        return global_scores(out)

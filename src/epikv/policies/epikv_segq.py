@@ -12,24 +12,27 @@ the model's kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from epikv import scoring
-from epikv.policies.base import CacheView, ModelInfo, Needs, StepSignals
+from epikv.policies.base import Bands, CacheView, ModelInfo, Needs, StepSignals
 from epikv.policies.epikv_seg import EpiKVSeg
 from epikv.policies.epiphany import EpiphanyState
 from epikv.policies.registry import register
+from epikv.policies.rows import RowState
 
 MODES = ("replace", "add")
 
 
 @dataclass
-class RecentStates:
-    hidden: torch.Tensor  # (B, w, hidden), oldest first
-    positions: torch.Tensor  # (B, w)
-    count: int = 0
+class RecentStates(RowState):
+    """The last w decode tokens' query-layer inputs per row, oldest first: hidden (B, w, hidden),
+    positions (B, w), and how many of the w are real (B,) (a row that decoded fewer holds zeros)."""
+
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    count: torch.Tensor
 
 
 @register
@@ -62,10 +65,10 @@ class EpiKVSegQ(EpiKVSeg):
                 f"got {self.query_layer}"
             )
 
-    def resolve(self, model: ModelInfo) -> EpiKVSegQ:
+    def resolve(self, model: ModelInfo, bands: Bands | None = None) -> EpiKVSegQ:
         """Bands from the profile; queries at layer A+1 (the paper), or at A itself when Band A is the
         model's last layer (a calibrated profile can put it there)."""
-        resolved = super().resolve(model)
+        resolved = super().resolve(model, bands)
         layer = self.query_layer
         if layer is None:
             layer = min(resolved.band_a + 1, model.num_layers - 1)
@@ -86,14 +89,14 @@ class EpiKVSegQ(EpiKVSeg):
         layers = tuple(dict.fromkeys((*self._bands(), self.source_layer)))
         return Needs(hidden_layers=layers, query_layer=self.query_layer)
 
-    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> EpiphanyState:
         state = super().init_state(batch_size, model, device)
         hidden = torch.zeros(batch_size, self.query_window, model.hidden_size, device=device)
         positions = torch.zeros(batch_size, self.query_window, dtype=torch.long, device=device)
-        state.extra = RecentStates(hidden, positions)
+        state.extra = RecentStates(hidden, positions, torch.zeros_like(state.count))
         return state
 
-    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
+    def observe(self, state: EpiphanyState, step: StepSignals) -> dict[str, torch.Tensor]:
         out = super().observe(state, step)
         if not step.prefill:
             recent: RecentStates = state.extra
@@ -103,23 +106,25 @@ class EpiKVSegQ(EpiKVSeg):
                 :, -self.query_window :
             ]
             recent.positions = torch.cat([recent.positions, step.positions], dim=1)[:, -self.query_window :]
-            recent.count = min(self.query_window, recent.count + q)
+            recent.count = (recent.count + q).clamp(max=self.query_window)
         return out
 
     def within_segment_score(self, state: EpiphanyState, view: CacheView) -> torch.Tensor:
         recent: RecentStates = state.extra
         decode = view.valid & (view.positions(0)[:, 0, :] >= view.prompt_len[:, None])
-        if recent.count == 0:
-            return scoring.masked_zscore(view.buffers["epiphany"][0, :, 0, :], decode)
+        z_s = scoring.masked_zscore(view.buffers["epiphany"][0, :, 0, :], decode)
+        if not bool((recent.count > 0).any()):  # one host sync per compaction
+            return z_s
         layer = self.query_layer
-        hidden = recent.hidden[:, -recent.count :]
-        positions = recent.positions[:, -recent.count :]
-        queries = view.project_queries(layer, hidden, positions)
+        w = self.query_window
+        query_valid = torch.arange(w, device=recent.count.device)[None, :] >= (w - recent.count)[:, None]
+        queries = view.project_queries(layer, recent.hidden, recent.positions)
+        key_positions = view.positions(layer)[:, 0, :]
         rel = scoring.qk_relevance(
-            queries, view.keys(layer), positions, view.positions(layer)[:, 0, :], view.valid
+            queries, view.keys(layer), recent.positions, key_positions, view.valid, query_valid
         )
         z_rel = scoring.masked_zscore(rel, decode)
+        # A row that has not decoded yet (compacted right after its prefill) has no recent queries.
         if self.mode == "replace":
-            return z_rel
-        z_s = scoring.masked_zscore(view.buffers["epiphany"][0, :, 0, :], decode)
+            return torch.where((recent.count > 0)[:, None], z_rel, z_s)
         return z_s + self.weight * z_rel

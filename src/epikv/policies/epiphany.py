@@ -14,25 +14,27 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies.base import ModelInfo, Needs, Policy, StepSignals
+from epikv.policies.base import Bands, ModelInfo, Needs, Policy, StepSignals
+from epikv.policies.rows import RowState
 
 BAND_MODES = ("diff", "a_only", "b_only")
 
 
 @dataclass
-class EpiphanyState:
-    """Per-generation state: previous band states (B, hidden) and windows of step changes (B, W)."""
+class EpiphanyState(RowState):
+    """Per-row state: previous band states (B, hidden), windows of step changes (B, W) and how many
+    changes each row has seen (B,); ``extra`` holds a subclass's own per-row state."""
 
+    win_a: torch.Tensor
+    win_b: torch.Tensor
+    count: torch.Tensor
     prev_a: torch.Tensor | None = None
     prev_b: torch.Tensor | None = None
-    win_a: torch.Tensor | None = None
-    win_b: torch.Tensor | None = None
-    count: int = 0
     extra: Any = None
 
 
 @dataclass(frozen=True)
-class BandedPolicy(Policy):
+class BandedPolicy(Policy[EpiphanyState]):
     """Base of policies scored by hidden-state change at two band layers.
 
     band_a, band_b: decoder layers (0-based; h = output of that layer); None = from the model's
@@ -40,6 +42,7 @@ class BandedPolicy(Policy):
     """
 
     requires = ("hidden_states",)
+    uses_bands = True
 
     band_a: int | None = None
     band_b: int | None = None
@@ -57,14 +60,14 @@ class BandedPolicy(Policy):
             if value is not None and value < 0:
                 raise ValueError(f"{self.name}: {attr} must be >= 0, got {value}")
 
-    def resolve(self, model: ModelInfo) -> Policy:
-        from epikv.profiles import find_profile
-
+    def resolve(self, model: ModelInfo, bands: Bands | None = None) -> BandedPolicy:
+        """Bands set as parameters win; the others come from ``bands`` (the model's profile)."""
         a, b = self.band_a, self.band_b
         if a is None or b is None:
-            profile = find_profile(model.identity, model.num_layers)
-            a = profile.band_a if a is None else a
-            b = profile.band_b if b is None else b
+            if bands is None:
+                raise ValueError(f"{self.name}: no band profile for {model.identity}; set band_a and band_b")
+            a = bands.band_a if a is None else a
+            b = bands.band_b if b is None else b
         for attr, value in (("band_a", a), ("band_b", b)):
             if value >= model.num_layers:
                 raise ValueError(
@@ -80,11 +83,12 @@ class BandedPolicy(Policy):
             raise ValueError(f"{self.name}: bands are unresolved; call resolve(model_info) first")
         return (self.band_a, self.band_b)
 
-    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> EpiphanyState:
         zeros = torch.zeros(batch_size, self.window, device=device)
-        return EpiphanyState(win_a=zeros, win_b=zeros.clone())
+        count = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return EpiphanyState(win_a=zeros, win_b=zeros.clone(), count=count)
 
-    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
+    def observe(self, state: EpiphanyState, step: StepSignals) -> dict[str, torch.Tensor]:
         a, b = self._bands()
         h_a, h_b = step.hidden[a], step.hidden[b]
         batch, q = step.valid.shape
@@ -111,7 +115,7 @@ class BandedPolicy(Policy):
         state.prev_a, state.prev_b = h_a, h_b
         state.win_a = scoring.push_window(state.win_a, d_a)
         state.win_b = scoring.push_window(state.win_b, d_b)
-        state.count += 1
+        state.count = state.count + 1
         z_a = scoring.rolling_zscore(state.win_a, state.count)
         z_b = scoring.rolling_zscore(state.win_b, state.count)
         return scoring.epiphany_score(z_a, z_b, self.band_mode)

@@ -6,8 +6,9 @@ recently attended first. Each generated token carries a timestamp (the decode st
 at every decode step, a generated token whose attention from the current query reaches the median
 attention of the generated tokens in the cache at that step (``torch.nanmedian``: the lower middle
 value for an even count) has its timestamp refreshed to the current step. The score is the timestamp;
-ties keep the newer token. The timestamps are a replace-style per-token buffer ``raas`` (prompt and
-padding hold -1, which also marks the holes of a padded batch, as holes inherit slot 0's value).
+ties keep the newer token. The timestamps are a replace-style per-token buffer ``raas`` (the prompt
+holds -1); each row stamps with its own decode step, and holes (``StepSignals.slots_valid``) never
+count as generated tokens.
 
 Assumptions (the paper works on pages of a paged cache with representative page scores; the
 median rule is the EpiKV authors' implementation): token level, not pages; per layer and KV head,
@@ -28,12 +29,18 @@ from epikv.policies.base import CacheView, StepSignals
 from epikv.policies.registry import register
 
 
-def refresh_timestamps(stamps: torch.Tensor, attention: torch.Tensor, now: float) -> torch.Tensor:
-    """RaaS's refresh: generated slots (stamp >= 0) whose attention (same shape as ``stamps``,
-    (..., L)) reaches the median over the generated slots get stamp ``now``. Returns new stamps."""
+def refresh_timestamps(
+    stamps: torch.Tensor, attention: torch.Tensor, now: torch.Tensor | float, real: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RaaS's refresh: generated slots (stamp >= 0, and ``real``: False at holes, broadcastable to
+    ``stamps``) whose attention (same shape as ``stamps``, (..., L)) reaches the median over the
+    generated slots get stamp ``now`` (a number, or a tensor broadcastable to ``stamps``)."""
     generated = stamps >= 0
+    if real is not None:
+        generated = generated & real
     median = attention.float().masked_fill(~generated, float("nan")).nanmedian(dim=-1, keepdim=True).values
-    return stamps.masked_fill(generated & (attention >= median), now)
+    now = torch.as_tensor(now, dtype=stamps.dtype, device=stamps.device)
+    return torch.where(generated & (attention >= median), now, stamps)
 
 
 @register
@@ -57,9 +64,11 @@ class RaaS(AttentionPolicy):
         if step.prefill:
             return {"raas": attention.new_full((g, b, h, q), -1.0)}
         old = step.buffers["raas"]
-        stamps = torch.cat([old, old.new_full((g, b, h, length - old.shape[-1]), float(st.steps))], dim=-1)
-        stamps = refresh_timestamps(stamps, attention, float(st.steps))
-        st.steps += 1
+        now = st.steps.to(old.dtype)[None, :, None, None]  # each row's own decode step
+        stamps = torch.cat([old, now.expand(g, b, h, length - old.shape[-1])], dim=-1)
+        real = step.slots_valid[None, :, None, :] if step.slots_valid is not None else None
+        stamps = refresh_timestamps(stamps, attention, now, real)
+        st.steps = st.steps + 1
         return {"raas": stamps}
 
     def score(self, state: Any, view: CacheView) -> torch.Tensor:

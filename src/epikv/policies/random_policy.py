@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from epikv.policies.base import CacheView, ModelInfo, Policy, global_scores
 from epikv.policies.registry import register
+from epikv.policies.rows import RowState
+
+
+@dataclass
+class RandomState(RowState):
+    """One generator per row, so a row draws the same numbers whatever batch it runs in."""
+
+    generators: list[torch.Generator]
 
 
 @register
 @dataclass(frozen=True)
-class RandomEviction(Policy):
+class RandomEviction(Policy[RandomState]):
     """Prompt and the last r tokens kept (as EpiKV); the rest ranked by seeded random numbers."""
 
     name = "random"
@@ -22,9 +29,12 @@ class RandomEviction(Policy):
 
     seed: int = 0
 
-    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
-        return torch.Generator(device="cpu").manual_seed(self.seed)
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> RandomState:
+        return RandomState([torch.Generator(device="cpu").manual_seed(self.seed) for _ in range(batch_size)])
 
-    def score(self, state: Any, view: CacheView) -> torch.Tensor:
-        noise = torch.rand(view.valid.shape, generator=state).to(view.valid.device)
-        return global_scores(noise)
+    def score(self, state: RandomState, view: CacheView) -> torch.Tensor:
+        noise = torch.full(view.valid.shape, float("-inf"))
+        real = view.valid.cpu()
+        for row, generator in enumerate(state.generators):  # rows of a batch, at compaction only
+            noise[row, real[row]] = torch.rand(int(real[row].sum()), generator=generator)
+        return global_scores(noise.to(view.valid.device))

@@ -26,15 +26,8 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies.attention_common import (
-    AttentionPolicy,
-    folded,
-    ring_observe,
-    ring_rows,
-    stacked,
-    valid_rows,
-)
-from epikv.policies.base import CacheView, StepSignals
+from epikv.policies.attention_common import WindowedAttentionPolicy
+from epikv.policies.base import CacheView
 from epikv.policies.registry import register
 
 
@@ -50,15 +43,15 @@ def window_importance(rows: torch.Tensor, past: torch.Tensor, kernel: int) -> to
 
 @register
 @dataclass(frozen=True)
-class RKV(AttentionPolicy):
+class RKV(WindowedAttentionPolicy):
     """lambda * importance (last 8 queries, max-pool 7) - (1 - lambda) * key redundancy, every 128 steps."""
 
     name = "rkv"
     summary = "R-KV: recent-query importance minus key redundancy, per KV head, every 128 steps."
     source = "https://arxiv.org/abs/2505.24133"
-    granularity = "layer_head"
+    ring = "rkv"
+    fold = "max"
 
-    interval: int = 128
     window: int = 8
     kernel: int = 7
     threshold: float = 0.5
@@ -66,24 +59,13 @@ class RKV(AttentionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: kernel must be a positive odd number, got {self.kernel}")
         if not -1 <= self.threshold <= 1:
             raise ValueError(f"{self.name}: threshold must be a cosine in [-1, 1], got {self.threshold}")
         if not 0 <= self.mix_lambda <= 1:
             raise ValueError(f"{self.name}: mix_lambda must be in [0, 1], got {self.mix_lambda}")
 
-    def attention_rows(self) -> int:
-        return self.window
-
-    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
-        rows = valid_rows(step, stacked(step.attention, self.resolved_layers()))
-        return ring_observe(state, step, folded(rows, state.model.num_kv_heads, "max"), "rkv", self.window)
-
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
-        rows = ring_rows(view.buffers, "rkv", self.window)  # (R, G, B, H, L)
+        rows = self.window_rows(view)  # (R, G, B, H, L)
         length = view.valid.shape[-1]
         in_window = torch.arange(length, device=view.valid.device) >= length - self.window
         past = view.valid & ~in_window

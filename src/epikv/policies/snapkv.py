@@ -27,50 +27,30 @@ from typing import Any
 import torch
 
 from epikv import scoring
-from epikv.policies.attention_common import (
-    AttentionPolicy,
-    folded,
-    ring_observe,
-    ring_rows,
-    stacked,
-    valid_rows,
-)
-from epikv.policies.base import CacheView, StepSignals
+from epikv.policies.attention_common import WindowedAttentionPolicy
+from epikv.policies.base import CacheView
 from epikv.policies.registry import register
 
 
 @register
 @dataclass(frozen=True)
-class SnapKV(AttentionPolicy):
+class SnapKV(WindowedAttentionPolicy):
     """Pooled attention of the last w queries, per layer and KV head, re-scored every interval steps."""
 
     name = "snapkv"
     summary = "SnapKV at decode time: last-32-query attention, avg-pooled (5), per KV head, every 128 steps."
     source = "https://arxiv.org/abs/2404.14469"
-    granularity = "layer_head"
+    ring = "snapkv"
+    fold = "mean"
 
-    interval: int = 128
-    window: int = 32
-    kernel: int = 5
     pooling: str = "avg"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1:
-            raise ValueError(f"{self.name}: window must be >= 1, got {self.window}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: kernel must be a positive odd number, got {self.kernel}")
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"{self.name}: pooling must be 'avg' or 'max', got {self.pooling!r}")
 
-    def attention_rows(self) -> int:
-        return self.window
-
-    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
-        rows = valid_rows(step, stacked(step.attention, self.resolved_layers()))  # (G, B, Hq, w, L)
-        return ring_observe(state, step, folded(rows, state.model.num_kv_heads), "snapkv", self.window)
-
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
-        window_sum = ring_rows(view.buffers, "snapkv", self.window).sum(dim=0)  # (G, B, H, L)
+        window_sum = self.window_rows(view).sum(dim=0)  # (G, B, H, L)
         window_sum = window_sum.masked_fill(~view.valid[None, :, None, :], 0.0)  # holes hold copies
         return scoring.pool_slots(window_sum, self.kernel, self.pooling)

@@ -36,8 +36,8 @@ What is implemented, and every assumption (A1-A9):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,7 @@ from epikv import scoring
 from epikv.policies.attention_common import AttentionPolicy, AttentionState, stacked
 from epikv.policies.base import CacheView, ModelInfo, StepSignals, global_scores
 from epikv.policies.registry import register
+from epikv.policies.rows import RowState, pad_last
 
 
 def kde_thresholds(values: torch.Tensor, grid: int = 256) -> tuple[float, float] | None:
@@ -121,14 +122,23 @@ def plan_levels(
 
 
 @dataclass
-class ThoughtStats:
-    """Per-generation ThinKV bookkeeping, keyed by segment (never by slot, so compactions leave it
-    valid): sparsity sums and token counts (B, S), retention levels per row and segment."""
+class ThoughtStats(RowState):
+    """Per-row ThinKV bookkeeping, keyed by segment (never by slot, so compactions leave it valid):
+    sparsity sums and token counts (B, S), decode steps per row (host-side, so growing S needs no
+    device sync), retention levels per row and segment."""
 
     prompt_len: torch.Tensor
     sums: torch.Tensor
     counts: torch.Tensor
+    steps: list[int]
     levels: list[list[int]]
+
+    @classmethod
+    def cat(cls, states: Sequence[ThoughtStats]) -> ThoughtStats:
+        """Rows stacked; segment columns zero-padded to the widest (a zero count = no such segment)."""
+        width = max(s.sums.shape[1] for s in states)
+        padded = [replace(s, sums=pad_last(s.sums, width), counts=pad_last(s.counts, width)) for s in states]
+        return super().cat(padded)
 
 
 @register
@@ -168,34 +178,34 @@ class ThinKV(AttentionPolicy):
     def default_layers(self, model: ModelInfo) -> tuple[int, ...]:
         return tuple(range(max(0, model.num_layers - self.classifier_layers), model.num_layers))
 
-    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> Any:
-        state = AttentionState(model=model)
+    def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> AttentionState:
+        state = super().init_state(batch_size, model, device)
         empty = torch.zeros(batch_size, 0, device=device)
         prompt_len = torch.zeros(batch_size, dtype=torch.long, device=device)
-        state.extra["thoughts"] = ThoughtStats(prompt_len, empty, empty.clone(), [])
+        steps = [0] * batch_size
+        state.extra = ThoughtStats(prompt_len, empty, empty.clone(), steps, [[] for _ in range(batch_size)])
         return state
 
-    def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
-        st: AttentionState = state
-        stats: ThoughtStats = st.extra["thoughts"]
+    def observe(self, state: AttentionState, step: StepSignals) -> dict[str, torch.Tensor]:
+        stats: ThoughtStats = state.extra
         if step.prefill:
             stats.prompt_len = step.valid.sum(dim=-1)
-            stats.levels = [[] for _ in range(step.valid.shape[0])]
             return {}
         rows = stacked(step.attention, self.resolved_layers())[:, :, :, -1]  # (G, B, Hq, L)
         sparsity = scoring.attention_sparsity(rows, self.sparsity_threshold).mean(dim=(0, 2))  # (B,)
-        seg = st.steps // self.segment  # every row generates in lockstep: no host sync
-        if seg >= stats.sums.shape[1]:
-            grow = torch.zeros(stats.sums.shape[0], seg + 1 - stats.sums.shape[1], device=sparsity.device)
-            stats.sums = torch.cat([stats.sums, grow], dim=1)
-            stats.counts = torch.cat([stats.counts, grow.clone()], dim=1)
-        stats.sums[:, seg] += sparsity
-        stats.counts[:, seg] += 1
-        st.steps += step.valid.shape[1]
+        segments = [s // self.segment for s in stats.steps]  # each row's own segment
+        width = max(segments) + 1
+        if width > stats.sums.shape[1]:
+            stats.sums, stats.counts = pad_last(stats.sums, width), pad_last(stats.counts, width)
+        seg = torch.tensor(segments, device=sparsity.device)[:, None]
+        stats.sums = stats.sums.scatter_add(1, seg, sparsity[:, None])
+        stats.counts = stats.counts.scatter_add(1, seg, torch.ones_like(sparsity)[:, None])
+        q = step.valid.shape[1]
+        stats.steps = [s + q for s in stats.steps]
         return {}
 
-    def score(self, state: Any, view: CacheView) -> torch.Tensor:
-        stats: ThoughtStats = state.extra["thoughts"]
+    def score(self, state: AttentionState, view: CacheView) -> torch.Tensor:
+        stats: ThoughtStats = state.extra
         positions = view.positions(0)[:, 0, :]
         out = torch.full(positions.shape, float("-inf"), device=positions.device)
         recent = self.recent_window(view.budget)

@@ -1,0 +1,239 @@
+"""The run spec: how one cache evicts — the policy resolved for a model, the budget, the interval,
+where attention rows come from — built once, by one constructor, for every command.
+
+:meth:`CacheSpec.build` alone owns what a budget value means (a positive number of tokens; a policy
+that never evicts has none, whatever was asked), the no-eviction rule, parsing ``key=value`` policy
+parameters by the policy's own field types, and the band lookup (the model's profile is handed to
+the policy as data; policies never read files). It also answers the questions callers used to
+answer each in their own way: the smallest budget a prompt can run under, and how many cache slots
+a request may hold at its peak (what a server reserves). It knows no model modules, only
+:class:`~epikv.policies.base.ModelInfo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from epikv.policies.base import Bands, ModelInfo, Policy
+from epikv.policies.registry import get_policy, policy_class
+
+ATTENTION_MODES = ("recompute", "eager")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """policy: resolved for the model; budget: K tokens per sequence (None = no eviction);
+    interval: compaction interval tau; attention: where attention rows come from for policies that
+    read them (None for the others); bands: the band profile used, with its origin (banded policies)."""
+
+    policy: Policy
+    budget: int | None
+    interval: int
+    attention: str | None = None
+    bands: Bands | None = None
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelInfo,
+        policy: str | Policy = "epikv",
+        budget: int | str | None = None,
+        *,
+        interval: int | None = None,
+        attention: str = "recompute",
+        params: Mapping[str, Any] | Sequence[str] | None = None,
+    ) -> CacheSpec:
+        """The one way to make a spec. ``params`` are policy hyperparameters, as a mapping or as
+        ``key=value`` strings (parsed by the field's type); ``interval`` is the ``interval`` one."""
+        cls_ = type(policy) if isinstance(policy, Policy) else policy_class(policy)
+        values = parse_policy_params(cls_, params or {})
+        if interval is not None:
+            values["interval"] = interval
+        chosen = get_policy(policy, **values)
+        bands = _bands_for(chosen, model)
+        resolved = chosen.resolve(model, bands)
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        reads_attention = bool(resolved.needs().attention_layers)
+        k = parse_budget(budget) if resolved.evicts else None
+        if resolved.evicts and k is None:
+            raise ValueError(f"policy {resolved.name!r} evicts and needs a budget (tokens), got None")
+        return cls(resolved, k, resolved.interval, attention if reads_attention else None, bands)
+
+    # -- what a budget can hold ------------------------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        return self.budget is not None
+
+    def protected_tokens(self, prompt_tokens: int, budget: int | None = None) -> int:
+        """Tokens no eviction may drop at budget K: the prompt (or the sinks) plus the recent window."""
+        k = self.budget if budget is None else budget
+        first = prompt_tokens if self.policy.protect_prompt else min(self.policy.n_sink, prompt_tokens)
+        return first + self.policy.recent_window(k)
+
+    def min_budget(self, prompt_tokens: int) -> int:
+        """The smallest K whose protected tokens fit in K (the recent window grows with K)."""
+        k = 1
+        while self.protected_tokens(prompt_tokens, k) > k:
+            # K - recent(K) grows with K, so stepping up finds the first K that fits.
+            k = max(k + 1, self.protected_tokens(prompt_tokens, k) - self.policy.recent_window(k))
+        return k
+
+    def check_prompt(self, prompt_tokens: int, budget: int | None = None) -> None:
+        """Raise ValueError (with the smallest budget that works) if the prompt cannot run at K."""
+        k = self.budget if budget is None else budget
+        if k is None:
+            return
+        needed = self.protected_tokens(prompt_tokens, k)
+        if needed <= k:
+            return
+        p = self.policy
+        what = "prompt" if p.protect_prompt else f"{p.n_sink} sinks"
+        first = prompt_tokens if p.protect_prompt else min(p.n_sink, prompt_tokens)
+        raise ValueError(
+            f"budget {k} cannot hold the protected tokens of policy {p.name!r}: {what} ({first}) + recent "
+            f"window ({p.recent_window(k)}) = {needed}; the smallest budget that holds them is "
+            f"{self.min_budget(prompt_tokens)}"
+        )
+
+    def peak_tokens(self, prompt_tokens: int, max_new_tokens: int, budget: int | None = None) -> int:
+        """Most cache slots one sequence can hold: prompt + generated tokens, capped by K + tau once
+        it evicts (a prompt longer than K is held whole until its first compaction)."""
+        k = self.budget if budget is None else budget
+        total = prompt_tokens + max_new_tokens
+        return total if k is None else min(total, max(prompt_tokens, k + self.interval))
+
+    def config(self) -> dict[str, Any]:
+        """The resolved spec as saved next to results."""
+        bands = dataclasses.asdict(self.bands) if self.bands is not None else None
+        return {
+            "policy": self.policy.config(),
+            "budget": self.budget,
+            "interval": self.interval,
+            "attention": self.attention,
+            "bands": bands,
+        }
+
+    def describe(self) -> str:
+        """One line for logs: policy, budget, interval and (for EpiKV) the bands and their origin."""
+        text = f"policy={self.policy.name} budget={self.budget or 'none'} interval={self.interval}"
+        if self.bands is not None:
+            text += f" bands A={self.bands.band_a} B={self.bands.band_b} ({self.bands.origin})"
+        return text
+
+
+def parse_budget(value: int | str | None) -> int | None:
+    """A budget: a positive number of tokens (int or digits), or None. One meaning everywhere:
+    0, negatives and words are refused; a policy that keeps everything is ``full``, not a budget."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.lstrip("-").isdigit():
+            raise ValueError(
+                f"budget must be a positive number of tokens, got {value!r}; "
+                "to keep every token use the policy 'full' (it needs no budget)"
+            )
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"budget must be a positive number of tokens, got {value!r}; "
+            "to keep every token use the policy 'full' (it needs no budget)"
+        )
+    return value
+
+
+def _bands_for(policy: Policy, model: ModelInfo) -> Bands | None:
+    """The model's band profile for a policy that reads bands and does not set both itself."""
+    if not policy.uses_bands:
+        return None
+    if getattr(policy, "band_a", None) is not None and getattr(policy, "band_b", None) is not None:
+        return Bands(policy.band_a, policy.band_b, "set as parameters")  # type: ignore[attr-defined]
+    from epikv.profiles import locate_profile
+
+    profile, origin = locate_profile(model.identity, model.num_layers)
+    return Bands(profile.band_a, profile.band_b, origin)
+
+
+# -- typed policy parameters ---------------------------------------------------------------------
+_TRUE, _FALSE, _NONE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}, {"none", "null"}
+
+
+def parse_policy_params(policy: type[Policy], params: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
+    """Policy parameters by the policy's dataclass field types. Strings (``key=value`` items or
+    mapping values) are parsed by type — bool true/false/yes/no/1/0, int, float, None as none/null,
+    tuples as ``1,2,3`` — and anything that does not parse is refused naming the bad value."""
+    if isinstance(params, Mapping):
+        pairs = list(params.items())
+    else:
+        pairs = []
+        for item in params:
+            key, sep, raw = str(item).partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"policy parameter must look like KEY=VALUE, got {item!r}")
+            pairs.append((key.strip(), raw.strip()))
+    hints = typing.get_type_hints(policy)
+    known = [f.name for f in dataclasses.fields(policy)]
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=2)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"{policy.name}: unknown parameter {key!r}{hint} (known: {', '.join(known)})")
+        out[key] = _coerce(policy.name, key, hints[key], value) if isinstance(value, str) else value
+    return out
+
+
+def _coerce(policy: str, key: str, kind: Any, raw: str) -> Any:
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, _union_type()) else (kind,)
+    text = raw.strip()
+    if type(None) in options and text.lower() in _NONE:
+        return None
+    for option in (o for o in options if o is not type(None)):
+        try:
+            return _parse_as(option, text)
+        except ValueError:
+            continue
+    names = " or ".join(_type_name(o) for o in options)
+    raise ValueError(f"{policy}: parameter {key}={raw!r} is not {names}")
+
+
+def _parse_as(kind: Any, text: str) -> Any:
+    if kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(text)
+    if kind is int:
+        return int(text)
+    if kind is float:
+        return float(text)
+    if kind is str:
+        return text
+    if typing.get_origin(kind) is tuple:
+        (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
+        parts = [p for p in text.strip("[]() ").replace(" ", ",").split(",") if p]
+        return tuple(_parse_as(item, p) for p in parts)
+    raise ValueError(text)
+
+
+def _type_name(kind: Any) -> str:
+    if kind is type(None):
+        return "none"
+    if typing.get_origin(kind) is tuple:
+        return "a comma-separated list of " + _type_name(typing.get_args(kind)[0]) + "s"
+    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "text"}.get(
+        kind, str(kind)
+    )
+
+
+def _union_type() -> Any:
+    import types
+
+    return types.UnionType
