@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from epikv.cli import main, parse_params
-from epikv.policies import policy_names
+from epikv.cli import main
+from epikv.policies import policy_class, policy_names
+from epikv.spec import parse_policy_params
 
 
 def test_policies_json_lists_every_policy_with_needs(capsys):
@@ -25,15 +26,24 @@ def test_policies_json_lists_every_policy_with_needs(capsys):
     assert by_name["streaming"]["defaults"]["n_sink"] == 4
 
 
-def test_parse_params():
-    assert parse_params(["window=32", "band_mode=a_only", "fill=true", "weight=0.5"]) == {
+def test_parse_params_by_field_type():
+    segq = policy_class("epikv")
+    assert parse_policy_params(segq, ["window=32", "band_mode=a_only", "fill=False", "weight=0.5"]) == {
         "window": 32,
         "band_mode": "a_only",
-        "fill": True,
+        "fill": False,
         "weight": 0.5,
     }
-    with pytest.raises(ValueError, match="key=value"):
-        parse_params(["window"])
+    assert parse_policy_params(segq, ["query_layer=none", "recent=7"]) == {"query_layer": None, "recent": 7}
+    assert parse_policy_params(policy_class("thinkv"), ["schedule=8,4,2"]) == {"schedule": (8, 4, 2)}
+    for bad, message in (
+        (["window"], "KEY=VALUE"),
+        (["fill=maybe"], r"fill='maybe' is not a boolean"),
+        (["window=abc"], r"window='abc' is not an integer"),
+        (["windw=3"], r"unknown parameter 'windw'; did you mean 'window'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_policy_params(segq, bad)
 
 
 def test_unknown_policy_is_a_clear_error(capsys):

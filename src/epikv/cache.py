@@ -308,6 +308,30 @@ class BudgetedCache(Cache):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.has_holes = min(self.held) < length
 
+    def prefix(self, length: int) -> BudgetedCache:
+        """A new one-row cache (same hooks) holding this cache's first ``length`` slots, for a row that
+        evicted nothing under a stateless policy (the full cache): a shared prompt prefix. The slots
+        are views; later updates concatenate, so this cache is never written through them."""
+        if self.batch_size != 1 or self.row_compactions[0] or self.state is not None or self.buffers:
+            raise ValueError(
+                "only a one-row cache that evicted nothing, without policy state, can be a prefix"
+            )
+        if not 0 < length <= self.held[0] or self.has_holes:
+            raise ValueError(f"prefix length must be in 1..{self.held[0]}, got {length}")
+        new = BudgetedCache(self.spec, self.model)
+        new.owner, new.project_queries = self.owner, self.project_queries
+        for mine, theirs in zip(new.layers, self.layers, strict=True):
+            mine.lazy_initialization(theirs.keys, theirs.values)
+            mine.keys, mine.values = theirs.keys[:, :, :length], theirs.values[:, :, :length]
+            mine.positions = theirs.positions[:, :, :length]
+        new.valid = self.valid[:, :length]
+        new.prompt_len = torch.full_like(self.prompt_len, length)
+        new.seen = torch.full_like(self.seen, length)
+        new.state = None
+        new.held, new.peak, new.since = [length], [length], [self.interval]
+        new.budgets, new.evicted, new.row_compactions = [new.budget], [0], [0]
+        return new
+
     def _adopt(self, other: BudgetedCache) -> None:
         self.layers = other.layers
         for name in ("valid", "buffers", "prompt_len", "seen", "state", "has_holes", "held", "since"):

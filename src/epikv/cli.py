@@ -18,20 +18,6 @@ from typing import Any
 from epikv.policies import ALIASES, policy_class, policy_names
 
 
-def parse_params(pairs: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs to a dict; values parse as JSON when they can (ints, floats, true/false)."""
-    params: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param expects key=value, got {pair!r}")
-        try:
-            params[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key] = raw
-    return params
-
-
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text under a KV budget and report what the cache did")
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
@@ -39,7 +25,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
     )
     p.add_argument("--policy", default="epikv", help="eviction policy (see `epikv policies`)")
-    p.add_argument("--budget", type=int, default=256, help="KV budget in tokens per sequence")
+    p.add_argument(
+        "--budget", default="256", help="KV budget in tokens per sequence (ignored by the policy full)"
+    )
     p.add_argument(
         "--interval", type=int, default=None, help="compaction interval tau (default: the policy's)"
     )
@@ -56,26 +44,25 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from epikv.generation import SamplingConfig, generate
-    from epikv.integration import attention_implementation, resolve_policy
+    from epikv.integration import attention_implementation, build_spec
     from epikv.models import load_model, model_identity
+    from epikv.spec import parse_budget, parse_policy_params
 
-    params = parse_params(args.param)
-    policy_class(args.policy)  # unknown names fail before the model loads
+    parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
+    budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_seconds = time.perf_counter() - started
-    policy = resolve_policy(model, args.policy, **params)
-    budget = args.budget if policy.evicts else None
+    spec = build_spec(model, args.policy, budget, interval=args.interval, params=args.param)
+    policy = spec.policy
     streamer = None if args.json else _Streamer(tokenizer)
     result = generate(
         model,
         tokenizer,
         [args.prompt],
-        policy,
-        budget,
-        sampling,
-        args.interval,
+        spec,
+        sampling=sampling,
         chat=not args.raw,
         on_token=None if streamer is None else streamer.push,
     )[0]
@@ -84,9 +71,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "tokens_per_second": result.tokens_generated / result.seconds if result.seconds else 0.0,
         "attn_implementation": attention_implementation(model),
         "model": model_identity(model),
-        "budget": budget,
-        "interval": args.interval if args.interval is not None else policy.interval,
+        "budget": spec.budget,
+        "interval": spec.interval,
         "policy": policy.config(),
+        "bands": None
+        if spec.bands is None
+        else f"A={spec.bands.band_a} B={spec.bands.band_b} ({spec.bands.origin})",
         "load_seconds": load_seconds,
     }
     del report["token_ids"]

@@ -1,21 +1,23 @@
-"""Our decode loop: batched, left-padded, greedy or sampled, one budgeted cache per batch.
+"""``generate``: prompts in, text out, under one policy and budget — a client of the engine.
 
-It owns tokenising prompts (chat template or raw text), the step loop, stopping, and turning the
-cache's counters into per-sequence results. It does not know any policy: it only attaches one.
-``model.generate(..., cache=cache)`` works too (see :func:`epikv.attach`); this loop adds
-per-sequence results, streaming and sampling with a seed.
+It owns tokenising prompts (chat template or raw text), turning a :class:`SamplingConfig` into
+engine requests (row i of a call samples with its own generator, seeded from the config's seed and
+the prompt, so a prompt draws the same tokens whatever batch or resume it runs in), and turning
+completions into per-sequence results. The decoding itself is :class:`epikv.engine.Engine`'s.
+``model.generate(..., cache=cache)`` works too (see :func:`epikv.attach`).
 """
 
 from __future__ import annotations
 
-import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from epikv.integration import attach
+from epikv.engine import Engine, Request, SamplingParams
+from epikv.integration import build_spec
 
 Prompt = str | list[dict[str, str]]
 
@@ -33,10 +35,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        SamplingParams(self.temperature, self.top_p, self.seed)  # validates both
 
 
 @dataclass
@@ -47,7 +46,7 @@ class SequenceResult:
     token_ids: list[int]
     prompt_tokens: int
     tokens_generated: int
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "stop"
     peak_cache_tokens: int
     final_cache_tokens: int
     evictions: int
@@ -57,11 +56,9 @@ class SequenceResult:
         return asdict(self)
 
 
-def encode_prompts(
-    tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask (B, P), left padded. A str prompt is wrapped as one user message
-    when ``chat`` and the tokenizer has a chat template; a message list always uses the template."""
+def encode_prompt_ids(tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True) -> list[list[int]]:
+    """Token ids of each prompt. A str prompt is wrapped as one user message when ``chat`` and the
+    tokenizer has a chat template; a message list always uses the template."""
     if not prompts:
         raise ValueError("no prompts given")
     rows = []
@@ -77,7 +74,15 @@ def encode_prompts(
             ids = tokenizer(prompt)["input_ids"]
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens")
-        rows.append(ids)
+        rows.append(list(ids))
+    return rows
+
+
+def encode_prompts(
+    tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask (B, P), left padded (for ``model.generate`` with a cache)."""
+    rows = encode_prompt_ids(tokenizer, prompts, chat)
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
@@ -95,24 +100,32 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(found)
 
 
-def next_tokens(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """Greedy argmax, or temperature + nucleus sampling from (B, V) logits."""
-    if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(dim=-1) - sorted_p > sampling.top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+def row_seed(seed: int, ids: Sequence[int], occurrence: int = 0) -> int:
+    """The sampling seed of one prompt: stable for (seed, prompt, n-th copy of it in a call)."""
+    data = b"".join(int(i).to_bytes(4, "little", signed=True) for i in ids)
+    return zlib.crc32(data + occurrence.to_bytes(4, "little"), seed & 0xFFFFFFFF)
 
 
-@torch.no_grad()
+def prompt_requests(
+    prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig, stop_ids: Sequence[int]
+) -> list[Request]:
+    """Engine requests for tokenised prompts under one sampling config."""
+    requests, seen = [], {}
+    stops = frozenset() if sampling.ignore_eos else frozenset(stop_ids)
+    for ids in prompt_ids:
+        occurrence = seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
+        params = SamplingParams(
+            sampling.temperature, sampling.top_p, row_seed(sampling.seed, ids, occurrence)
+        )
+        requests.append(Request(list(ids), sampling.max_new_tokens, params, stops))
+    return requests
+
+
 def generate(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[Prompt],
-    policy: Any = "epikv",
+    policy: str | Any = "epikv",
     budget: int | None = None,
     sampling: SamplingConfig | None = None,
     interval: int | None = None,
@@ -120,75 +133,30 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     **policy_params: Any,
 ) -> list[SequenceResult]:
-    """Generate for a batch of prompts under one policy and budget; returns one result per prompt.
-
-    ``on_token(row, token_id)`` is called for every generated token (streaming)."""
+    """Generate for a batch of prompts under one policy (a name, a policy or a :class:`CacheSpec`)
+    and budget; returns one result per prompt. ``on_token(row, token_id)`` streams every token."""
     sampling = sampling or SamplingConfig()
-    device = next(model.parameters()).device
-    input_ids, mask = encode_prompts(tokenizer, prompts, chat)
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    stop = torch.tensor(eos_ids(model, tokenizer) or [-1], device=device)
-    generator = torch.Generator().manual_seed(sampling.seed)
-    batch = input_ids.shape[0]
-    out = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    lengths = torch.full((batch,), sampling.max_new_tokens, dtype=torch.long, device=device)
-    final_stats: dict[int, Any] = {}
-    start = time.perf_counter()
-    with attach(model, policy, budget=budget, interval=interval, **policy_params) as cache:
-        logits = model(
-            input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1
-        ).logits
-        for step in range(sampling.max_new_tokens):
-            token = next_tokens(logits[:, -1], sampling, generator)
-            token = torch.where(done, stop[0].clamp_min(0), token)
-            out[:, step] = token
-            if on_token is not None:
-                for row in range(batch):
-                    if not done[row]:
-                        on_token(row, int(token[row]))
-            if not sampling.ignore_eos:
-                hit = torch.isin(token, stop) & ~done
-                if bool(hit.any()):
-                    lengths = torch.where(hit, step + 1, lengths)
-                    done = done | hit
-                    _snapshot(cache.stats(), hit, final_stats)
-                    if bool(done.all()):
-                        break
-            if step + 1 < sampling.max_new_tokens:
-                logits = model(input_ids=token[:, None], cache=cache, use_cache=True).logits
-        stats = [final_stats.get(row, st) for row, st in enumerate(cache.stats())]
-    seconds = time.perf_counter() - start
-    return _results(tokenizer, out, lengths, done, stats, seconds)
-
-
-def _snapshot(stats: list, rows: torch.Tensor, into: dict[int, Any]) -> None:
-    """Freeze the cache counters of rows that just finished (later steps only feed padding)."""
-    for row in rows.nonzero().flatten().tolist():
-        into[row] = stats[row]
-
-
-def _results(
-    tokenizer: Any, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, stats: list, seconds: float
-) -> list[SequenceResult]:
-    results = []
-    for row, st in enumerate(stats):
-        n = int(lengths[row])
-        ids = out[row, :n].tolist()
-        results.append(
-            SequenceResult(
-                text=tokenizer.decode(ids, skip_special_tokens=True),
-                token_ids=ids,
-                prompt_tokens=st.prompt_tokens,
-                tokens_generated=n,
-                finish_reason="eos" if bool(done[row]) else "length",
-                peak_cache_tokens=st.peak_cache_tokens,
-                final_cache_tokens=st.final_cache_tokens,
-                evictions=st.evictions,
-                seconds=seconds,
-            )
+    spec = build_spec(model, policy, budget, interval=interval, params=policy_params)
+    ids = encode_prompt_ids(tokenizer, prompts, chat)
+    requests = prompt_requests(ids, sampling, eos_ids(model, tokenizer))
+    if on_token is not None:
+        for row, request in enumerate(requests):
+            request.on_token = lambda token, row=row: on_token(row, token)
+    completions = Engine(model, spec).run(requests)
+    return [
+        SequenceResult(
+            text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            token_ids=c.token_ids,
+            prompt_tokens=c.prompt_tokens,
+            tokens_generated=len(c.token_ids),
+            finish_reason=c.finish_reason,
+            peak_cache_tokens=c.peak_cache_tokens,
+            final_cache_tokens=c.final_cache_tokens,
+            evictions=c.evictions,
+            seconds=c.seconds,
         )
-    return results
+        for c in completions
+    ]
 
 
 Generator = Callable[[list[list[dict[str, str]]], SamplingConfig], list[SequenceResult]]
@@ -204,17 +172,17 @@ def make_generator(
     """A callable that generates for chat prompts with the named model, policy and budget bound.
 
     The model is loaded once per process and shared by every generator made for it."""
-    from epikv.integration import resolve_policy
     from epikv.models import load_model
 
     model, tokenizer = _loaded(model_name, load_model)
     # Resolved once, so a profile written while a run goes on cannot change its bands midway.
-    resolved = resolve_policy(model, policy, **(policy_params or {}))
+    spec = build_spec(model, policy, budget, interval=interval, params=policy_params)
 
     def run(prompts: list[list[dict[str, str]]], sampling: SamplingConfig) -> list[SequenceResult]:
-        return generate(model, tokenizer, prompts, resolved, budget, sampling, interval)
+        return generate(model, tokenizer, prompts, spec, sampling=sampling)
 
-    run.resolved_policy = resolved.config()  # type: ignore[attr-defined]
+    run.resolved_policy = spec.policy.config()  # type: ignore[attr-defined]
+    run.spec = spec  # type: ignore[attr-defined]
     return run
 
 

@@ -7,6 +7,7 @@ import pytest
 from epikv.bench import fidelity, io
 from epikv.bench.fidelity import FidelityConfig
 from epikv.cli import main
+from epikv.integration import build_spec
 
 
 def test_repeated_suffix():
@@ -23,14 +24,18 @@ def test_first_divergence():
 
 def test_teacher_forcing_without_eviction_matches_the_trace(tiny_pair):
     model, tok = tiny_pair
-    ids = io.encode_prompt(tok, "Ann has 3 apples.")
-    trace, reference = fidelity.full_trace(model, ids, 20)
-    assert reference.shape == (20, model.config.vocab_size)
-    same = fidelity.teacher_force(model, ids, trace, reference, "streaming", budget=10_000)
-    assert same["agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-5)
-    assert same["first_eviction_step"] is None and same["agreement_after_eviction"] is None
-    cut = fidelity.teacher_force(model, ids, trace, reference, "streaming", budget=12)
-    assert cut["first_eviction_step"] is not None and cut["kl"] > 1e-6
+    ids = [io.encode_prompt_ids(tok, "Ann has 3 apples."), io.encode_prompt_ids(tok, "Bo has 12 pears.")]
+    traced = fidelity.full_traces(model, ids, 20)
+    traces, refs = [t for t, _ in traced], [r for _, r in traced]
+    assert refs[0].shape == (20, model.config.vocab_size)
+    spec = build_spec(model, "streaming", 10_000)
+    for same in fidelity.teacher_force(model, ids, traces, refs, spec):
+        assert same["agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-5)
+        assert same["first_eviction_step"] is None and same["agreement_after_eviction"] is None
+    cuts = fidelity.teacher_force(model, ids, traces, refs, build_spec(model, "streaming", 12))
+    for prompt, cut in zip(ids, cuts, strict=True):
+        assert cut["first_eviction_step"] is not None and cut["kl"] > 1e-6
+        assert cut["peak_cache_tokens"] == max(len(prompt), 12 + 1)  # the prompt, or K + tau
 
 
 @pytest.fixture(scope="module")

@@ -125,4 +125,5 @@ def test_prefix_cache_scorer_equals_recomputing(tiny_model):
         assert best.tolist() == ref_best.tolist()
         assert fast.greedy(ctx, 5, [1], unchanged) == slow.greedy(ctx, 5, [1], unchanged)
     # the clean cache must not have been extended by the calls above
-    assert fast._clean[0][0].shape[-2] == len(context)
+    assert fast._clean.layers[0].keys.shape[-2] == len(context)
+    assert fast._clean.held == [len(context)]

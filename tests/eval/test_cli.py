@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from epikv.eval import cli
-from epikv.eval.cli import add_eval_parser, add_report_parser, parse_budget
+from epikv.eval.cli import add_eval_parser, add_report_parser, parse_budget_arg
 from epikv.eval.tasks import load_task
 
 from .fakes import FakeGenerator, FakeResult, boxed
@@ -46,9 +46,32 @@ class RecordingEngine:
 
 
 def test_parse_budget() -> None:
-    assert parse_budget("full") is None and parse_budget("0") is None and parse_budget("512") == 512
-    with pytest.raises(argparse.ArgumentTypeError, match="'-3'"):
-        parse_budget("-3")
+    assert parse_budget_arg("512") == 512
+    for bad in ("-3", "0", "full", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"got .*{bad}.*use the policy 'full'"):
+            parse_budget_arg(bad)
+
+
+def test_full_needs_no_budget_and_evicting_policies_need_one() -> None:
+    args = parser().parse_args(["eval", "--dataset", "gsm8k", "--policy", "full", "--out", "o"])
+    (config,) = cli.configs_from_args(args)
+    assert config.budget is None and config.budget_label == "Kfull"
+    args = parser().parse_args(["eval", "--dataset", "gsm8k", "--policy", "epikv", "--out", "o"])
+    with pytest.raises(ValueError, match="'epikv' evicts and needs --budget"):
+        cli.configs_from_args(args)
+
+
+def test_policy_params_are_typed_and_checked() -> None:
+    argv = ["eval", "--dataset", "gsm8k", "--policy", "streaming", "--budget", "64", "--out", "o"]
+    args = parser().parse_args(
+        [*argv, "--policy-param", "protect_prompt=False", "--policy-param", "n_sink=2"]
+    )
+    (config,) = cli.configs_from_args(args)
+    assert config.policy_params == {"protect_prompt": False, "n_sink": 2}
+    for bad, message in (("protect_prompt=maybe", "not a boolean"), ("n_sink=abc", "not an integer"),
+                         ("windw=3", "unknown parameter 'windw'")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            cli.configs_from_args(parser().parse_args([*argv, "--policy-param", bad]))
 
 
 def test_eval_end_to_end_on_three_gsm8k_problems(
@@ -58,24 +81,25 @@ def test_eval_end_to_end_on_three_gsm8k_problems(
     monkeypatch.setattr(cli, "_default_generator_factory", engine.factory_for)
     argv = [
         "eval", "--model", "tiny", "--dataset", "gsm8k", "--policy", "h2o", "--policy", "epikv",
-        "--budget", "256", "--budget", "full", "--limit", "3", "--batch-size", "2", "--interval", "16",
-        "--policy-param", "window=32", "--policy-param", "mode=fast", "--no-progress", "--out", str(tmp_path),
+        "--policy", "full", "--budget", "256", "--budget", "128", "--limit", "3", "--batch-size", "2",
+        "--interval", "16", "--policy-param", "recent=32", "--no-progress", "--out", str(tmp_path),
     ]  # fmt: skip
     args = parser().parse_args(argv)
     assert args.func(args) == 0
     assert engine.model_names == ["tiny"]
     assert engine.built == [
-        ("h2o", 256, 16, {"window": 32, "mode": "fast"}),
-        ("h2o", None, 16, {"window": 32, "mode": "fast"}),
-        ("epikv", 256, 16, {"window": 32, "mode": "fast"}),
-        ("epikv", None, 16, {"window": 32, "mode": "fast"}),
+        ("h2o", 256, 16, {"recent": 32}),
+        ("h2o", 128, 16, {"recent": 32}),
+        ("epikv", 256, 16, {"recent": 32}),
+        ("epikv", 128, 16, {"recent": 32}),
+        ("full", None, 16, {"recent": 32}),  # full runs once, whatever the budgets
     ]
-    for policy in ("h2o", "epikv"):
-        for label in ("K256", "Kfull"):
-            summary = json.loads((tmp_path / "gsm8k" / policy / label / "summary.json").read_text())
-            assert summary["n"] == 3 and summary["accuracy"] == pytest.approx(2 / 3)
+    for policy, label in (("h2o", "K256"), ("h2o", "K128"), ("epikv", "K256"), ("full", "Kfull")):
+        summary = json.loads((tmp_path / "gsm8k" / policy / label / "summary.json").read_text())
+        assert summary["n"] == 3 and summary["accuracy"] == pytest.approx(2 / 3)
+    assert not (tmp_path / "gsm8k" / "full" / "K256").exists()
     out = capsys.readouterr().out
-    assert "| gsm8k | h2o | 256 | 3 | 66.7 [" in out and "| gsm8k | epikv | full | 3 | 66.7 [" in out
+    assert "| gsm8k | h2o | 256 | 3 | 66.7 [" in out and "| gsm8k | full | full | 3 | 66.7 [" in out
 
     args = parser().parse_args(["report", str(tmp_path), "--plots", str(tmp_path / "plots")])
     assert args.func(args) == 0
@@ -107,7 +131,7 @@ def test_eval_rejects_bad_arguments_before_loading_anything(tmp_path: Path) -> N
 
 def test_sampling_options_reach_the_config() -> None:
     args = parser().parse_args(
-        ["eval", "--dataset", "aime2024", "--policy", "p", "--budget", "1024", "--temperature", "0.6",
+        ["eval", "--dataset", "aime2024", "--policy", "streaming", "--budget", "1024", "--temperature", "0.6",
          "--top-p", "0.95", "--samples", "4", "--shard", "1/4", "--out", "o"]
     )  # fmt: skip
     (config,) = cli.configs_from_args(args)

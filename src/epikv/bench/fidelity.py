@@ -3,12 +3,11 @@
 The honest proxy for accuracy on a machine that cannot hold a 7B model. For every prompt (a bundled
 task read with ``json``, a ``.jsonl`` file or any text file) a greedy full-cache trace of T tokens
 is generated (EOS ignored unless asked) with its next-token distributions. Then, per policy and
-budget:
+budget, every run a batch of the engine (:class:`epikv.engine.Engine`, ``batch_size`` prompts):
 
-* teacher forcing: the trace is fed token by token through ``model(input_ids=tok, cache=cache)``
-  inside ``epikv.attach``; at each position we record top-1 agreement with the full cache's next
-  token, KL(full || evicted) and the trace token's negative log-likelihood, overall and over the
-  positions after the first eviction;
+* teacher forcing: the trace is fed token by token (forced requests); at each position we record
+  top-1 agreement with the full cache's next token, KL(full || evicted) and the trace token's
+  negative log-likelihood, overall and over the positions after the first eviction;
 * free running: the policy generates T greedy tokens itself; we record the first position where it
   leaves the full trace and whether it ends in a loop (:func:`repeated_suffix`).
 
@@ -25,6 +24,9 @@ from typing import Any
 import torch
 
 from epikv.bench import io
+from epikv.engine import Engine, Request
+from epikv.integration import build_spec
+from epikv.spec import CacheSpec
 
 DEFAULT_POLICIES = ("epikv", "epikv-flat", "streaming", "h2o")
 
@@ -49,10 +51,13 @@ class FidelityConfig:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = 1
+    batch_size: int = 8
 
     def __post_init__(self) -> None:
         if self.prompts < 1 or self.trace_tokens < 2 or not self.budgets or not self.policies:
             raise ValueError("need prompts >= 1, trace_tokens >= 2, some budgets and some policies")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.loop_min_span < 2 or self.loop_max_period < 1:
             raise ValueError("loop_min_span must be >= 2 and loop_max_period >= 1")
 
@@ -98,119 +103,116 @@ def first_divergence(reference: list[int], other: list[int]) -> int | None:
 # --------------------------------------------------------------------------- model runs
 
 
-@torch.no_grad()
-def full_trace(
-    model: torch.nn.Module, ids: torch.Tensor, tokens: int, stop: set[int] | None = None
-) -> tuple[list[int], torch.Tensor]:
-    """Greedy full-cache trace and the log-probabilities (T, V) that predicted each of its tokens."""
-    from epikv import attach
+class _Recorder:
+    """on_logits of one request: keeps log-probabilities, or compares them with a reference."""
 
-    out, logprobs = [], []
-    with attach(model, "full") as cache:
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        for _ in range(tokens):
-            lp = torch.log_softmax(logits[0, -1].float(), dim=-1)
-            token = int(lp.argmax())
-            out.append(token)
-            logprobs.append(lp.cpu())
-            if stop and token in stop:
-                break
-            logits = model(input_ids=ids.new_tensor([[token]]), cache=cache, use_cache=True).logits
-    return out, torch.stack(logprobs)
+    def __init__(self, reference: torch.Tensor | None = None, trace: list[int] | None = None) -> None:
+        self.reference, self.trace = reference, trace
+        self.logprobs: list[torch.Tensor] = []
+        self.agree: list[float] = []
+        self.kl: list[float] = []
+        self.nll: list[float] = []
+        self.evicted: list[bool] = []
+
+    def __call__(self, index: int, logits: torch.Tensor, evicted: bool) -> None:
+        lp = torch.log_softmax(logits.float(), dim=-1).cpu()
+        if self.reference is None:
+            self.logprobs.append(lp)
+            return
+        full = self.reference[index]
+        self.agree.append(float(int(lp.argmax()) == int(full.argmax())))
+        self.kl.append(float((full.exp() * (full - lp)).sum()))
+        self.nll.append(float(-lp[self.trace[index]]))
+        self.evicted.append(evicted)
+
+    def metrics(self, peak: int) -> dict[str, Any]:
+        after = [i for i, e in enumerate(self.evicted) if e]
+        return {
+            "agreement": statistics.fmean(self.agree),
+            "agreement_after_eviction": statistics.fmean(self.agree[i] for i in after) if after else None,
+            "kl": statistics.fmean(self.kl),
+            "kl_after_eviction": statistics.fmean(self.kl[i] for i in after) if after else None,
+            "nll": statistics.fmean(self.nll),
+            "first_eviction_step": after[0] if after else None,
+            "peak_cache_tokens": peak,
+        }
 
 
-@torch.no_grad()
+def full_traces(
+    model: torch.nn.Module, prompts: list[list[int]], tokens: int, stop: set[int] | None = None
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy full-cache traces, each with the log-probabilities (T, V) that predicted its tokens."""
+    spec = build_spec(model, "full")
+    recorders = [_Recorder() for _ in prompts]
+    requests = [
+        Request(ids, tokens, stop_ids=frozenset(stop or ()), on_logits=rec)
+        for ids, rec in zip(prompts, recorders, strict=True)
+    ]
+    done = Engine(model, spec).run(requests)
+    return [(c.token_ids, torch.stack(r.logprobs)) for c, r in zip(done, recorders, strict=True)]
+
+
 def teacher_force(
     model: torch.nn.Module,
-    ids: torch.Tensor,
-    trace: list[int],
-    reference: torch.Tensor,
-    policy: str,
-    budget: int,
-    interval: int | None = None,
-    attention: str = "recompute",
-) -> dict[str, Any]:
-    """Feed ``trace`` through ``policy``; compare each next-token distribution with ``reference``."""
-    from epikv import attach
-
-    agree, kl, nll, evicted = [], [], [], []
-    with attach(model, policy, budget=budget, interval=interval, attention=attention) as cache:
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        before = 0  # compactions before the forward that made ``logits`` (the last one runs after it)
-        for step, token in enumerate(trace):
-            lp = torch.log_softmax(logits[0, -1].float(), dim=-1).cpu()
-            full = reference[step]
-            agree.append(float(int(lp.argmax()) == int(full.argmax())))
-            kl.append(float((full.exp() * (full - lp)).sum()))
-            nll.append(float(-lp[token]))
-            evicted.append(before > 0)
-            if step + 1 < len(trace):
-                before = cache.compactions
-                logits = model(input_ids=ids.new_tensor([[token]]), cache=cache, use_cache=True).logits
-        peak = cache.stats()[0].peak_cache_tokens
-    after = [i for i, e in enumerate(evicted) if e]
-    return {
-        "agreement": statistics.fmean(agree),
-        "agreement_after_eviction": statistics.fmean(agree[i] for i in after) if after else None,
-        "kl": statistics.fmean(kl),
-        "kl_after_eviction": statistics.fmean(kl[i] for i in after) if after else None,
-        "nll": statistics.fmean(nll),
-        "first_eviction_step": after[0] if after else None,
-        "peak_cache_tokens": peak,
-    }
-
-
-@torch.no_grad()
-def free_run(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    tokens: int,
-    policy: str,
-    budget: int,
-    interval: int | None = None,
-    attention: str = "recompute",
-) -> list[int]:
-    """``tokens`` greedy tokens generated under ``policy`` (EOS ignored)."""
-    from epikv import attach
-
-    out = []
-    with attach(model, policy, budget=budget, interval=interval, attention=attention) as cache:
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        for step in range(tokens):
-            token = int(logits[0, -1].argmax())
-            out.append(token)
-            if step + 1 < tokens:
-                logits = model(input_ids=ids.new_tensor([[token]]), cache=cache, use_cache=True).logits
+    prompts: list[list[int]],
+    traces: list[list[int]],
+    references: list[torch.Tensor],
+    spec: CacheSpec,
+) -> list[dict[str, Any]]:
+    """Feed each trace through ``spec``'s cache; compare every next-token distribution with its
+    reference. A prompt the budget cannot hold gets ``{"skipped": reason}``."""
+    engine = Engine(model, spec)
+    out: list[dict[str, Any]] = [{} for _ in prompts]
+    runs = []
+    for i, (ids, trace, reference) in enumerate(zip(prompts, traces, references, strict=True)):
+        recorder = _Recorder(reference, trace)
+        request = Request(ids, len(trace), forced=trace, on_logits=recorder)
+        try:
+            engine.validate(request)
+        except ValueError as err:  # the budget cannot hold this prompt's protected tokens
+            out[i] = {"skipped": str(err)}
+            continue
+        runs.append((i, request, recorder))
+    done = engine.run([request for _, request, _ in runs])
+    for (i, _, recorder), completion in zip(runs, done, strict=True):
+        out[i] = recorder.metrics(completion.peak_cache_tokens)
     return out
+
+
+def free_run(
+    model: torch.nn.Module, prompts: list[list[int]], tokens: int, spec: CacheSpec
+) -> list[list[int]]:
+    """``tokens`` greedy tokens generated under ``spec`` for each prompt (EOS ignored)."""
+    return [c.token_ids for c in Engine(model, spec).run([Request(ids, tokens) for ids in prompts])]
 
 
 # --------------------------------------------------------------------------- the benchmark
 
 
-def _one_cell(
+def _cells(
     model: torch.nn.Module,
-    ids: torch.Tensor,
-    trace: list[int],
-    reference: torch.Tensor,
-    policy: str,
-    budget: int,
+    prompts: list[list[int]],
+    traces: list[list[int]],
+    references: list[torch.Tensor],
+    spec: CacheSpec,
     config: FidelityConfig,
-) -> dict[str, Any]:
-    try:
-        forced = teacher_force(
-            model, ids, trace, reference, policy, budget, config.interval, config.attention
+) -> list[dict[str, Any]]:
+    """One (policy, budget) on a batch of prompts: teacher forced, then free running."""
+    forced = teacher_force(model, prompts, traces, references, spec)
+    runnable = [i for i, cell in enumerate(forced) if "skipped" not in cell]
+    generated = free_run(model, [prompts[i] for i in runnable], config.trace_tokens, spec) if runnable else []
+    for i, tokens in zip(runnable, generated, strict=True):
+        period = repeated_suffix(tokens, config.loop_max_period, config.loop_min_span)
+        forced[i].update(
+            first_divergence=first_divergence(traces[i], tokens[: len(traces[i])]), loop_period=period
         )
-    except ValueError as err:  # the budget cannot hold this prompt's protected tokens
-        return {"skipped": str(err)}
-    generated = free_run(model, ids, len(trace), policy, budget, config.interval, config.attention)
-    period = repeated_suffix(generated, config.loop_max_period, config.loop_min_span)
-    return {**forced, "first_divergence": first_divergence(trace, generated), "loop_period": period}
+    return forced
 
 
 def run_fidelity(
     config: FidelityConfig, model: torch.nn.Module | None = None, tokenizer: Any = None
 ) -> dict[str, Any]:
-    """Every prompt x policy x budget; returns the fidelity document."""
+    """Every prompt x policy x budget, ``batch_size`` prompts at a time; returns the document."""
     from epikv.bench.speed import available_policies
     from epikv.generation import eos_ids
 
@@ -219,28 +221,36 @@ def run_fidelity(
         model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
     policies, missing = available_policies(config.policies)
     stop = set(eos_ids(model, tokenizer)) if config.stop_at_eos else None
-    device = next(model.parameters()).device
-    prompts = []
-    for index, text in enumerate(io.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)):
-        ids = io.encode_prompt(tokenizer, text, config.chat).to(device)
-        trace, reference = full_trace(model, ids, config.trace_tokens, stop)
-        nll = float(-reference.gather(1, torch.tensor(trace)[:, None]).mean())
-        period = repeated_suffix(trace, config.loop_max_period, config.loop_min_span)
-        cells = {
-            f"{policy}@{budget}": _one_cell(model, ids, trace, reference, policy, budget, config)
-            for policy in policies
-            for budget in config.budgets
-        }
-        prompts.append(
-            {
-                "index": config.prompt_offset + index,
-                "prompt_tokens": ids.shape[1],
-                "trace_tokens": len(trace),
-                "full_nll": nll,
-                "full_loop_period": period,
-                "cells": cells,
-            }
+    texts = io.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)
+    specs = {
+        (policy, budget): build_spec(
+            model, policy, budget, interval=config.interval, attention=config.attention
         )
+        for policy in policies
+        for budget in config.budgets
+    }
+    prompts = []
+    for lo in range(0, len(texts), config.batch_size):
+        ids = [
+            io.encode_prompt_ids(tokenizer, text, config.chat) for text in texts[lo : lo + config.batch_size]
+        ]
+        traced = full_traces(model, ids, config.trace_tokens, stop)
+        traces, references = [t for t, _ in traced], [r for _, r in traced]
+        cells = {
+            f"{p}@{k}": _cells(model, ids, traces, references, spec, config) for (p, k), spec in specs.items()
+        }
+        for j, (prompt, trace, reference) in enumerate(zip(ids, traces, references, strict=True)):
+            nll = float(-reference.gather(1, torch.tensor(trace)[:, None]).mean())
+            prompts.append(
+                {
+                    "index": config.prompt_offset + lo + j,
+                    "prompt_tokens": len(prompt),
+                    "trace_tokens": len(trace),
+                    "full_nll": nll,
+                    "full_loop_period": repeated_suffix(trace, config.loop_max_period, config.loop_min_span),
+                    "cells": {name: batch[j] for name, batch in cells.items()},
+                }
+            )
     results = {
         "model": io.model_name(model),
         "missing_policies": missing,

@@ -317,9 +317,13 @@ def _prompt_field(record: dict[str, Any], where: str) -> str:
     raise ValueError(f"{where}: a record has none of the fields problem/prompt/question/text")
 
 
-def encode_prompt(tokenizer: Any, text: str, chat: bool = True) -> torch.Tensor:
-    """Token ids (1, P) of one prompt, in the chat template when ``chat`` and the tokenizer has one."""
-    from epikv.generation import encode_prompts
+def encode_prompt_ids(tokenizer: Any, text: str, chat: bool = True) -> list[int]:
+    """Token ids of one prompt, in the chat template when ``chat`` and the tokenizer has one."""
+    from epikv.generation import encode_prompt_ids
 
-    ids, _ = encode_prompts(tokenizer, [text], chat)
-    return ids
+    return encode_prompt_ids(tokenizer, [text], chat)[0]
+
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool = True) -> torch.Tensor:
+    """Token ids (1, P) of one prompt (see :func:`encode_prompt_ids`)."""
+    return torch.tensor([encode_prompt_ids(tokenizer, text, chat)], dtype=torch.long)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from epikv.bench import io
+from epikv.engine import Engine, Request
+from epikv.integration import build_spec
 
 DEFAULT_POLICIES = ("full", "epikv", "epikv-flat", "h2o")
 
@@ -91,9 +93,9 @@ class _CacheProbe:
             sync()
             self.end_step_s += time.perf_counter() - started
 
-        def timed_compact() -> None:
+        def timed_compact(*args: Any) -> None:
             started = time.perf_counter()
-            compact()
+            compact(*args)
             sync()
             self.compact_s += time.perf_counter() - started
 
@@ -106,10 +108,10 @@ class _CacheProbe:
 
 
 class PolicyDecode:
-    """One policy's forced greedy decode, advanced a chunk of steps at a time.
+    """One policy's forced greedy decode on an engine of its own, advanced a chunk of steps at a time.
 
-    The attach context is entered for each chunk and left after it (its cache and policy state
-    persist), so several policies can take turns on one model and share the machine's load."""
+    The engine's hooks are held only while a chunk runs (its cache and policy state persist), so
+    several policies can take turns on one model and share the machine's load."""
 
     def __init__(
         self,
@@ -120,37 +122,28 @@ class PolicyDecode:
         interval: int | None = None,
         attention: str = "eager",
     ) -> None:
-        from epikv import attach
-        from epikv.integration import resolve_policy
-
-        resolved = resolve_policy(model, policy)
-        mode = attention if resolved.needs().attention_layers else "recompute"
-        budget = budget if resolved.evicts else None
-        self.context = attach(model, resolved, budget=budget, interval=interval, attention=mode)
-        self.model, self.input_ids, self.policy = model, input_ids, policy
+        spec = build_spec(model, policy, budget, interval=interval, attention=attention)
+        self.engine = Engine(model, spec)
+        # EOS ignored and a cap no run reaches: the decode length is the caller's.
+        self.request = Request(input_ids[0].tolist(), 1 << 30)
+        self.policy = policy
         self.sync = io.synchronizer(input_ids.device)
-        self.probe = _CacheProbe(self.context.cache, self.sync)
+        self.probe = _CacheProbe(self.engine.cache, self.sync)
         self.trace: DecodeTrace | None = None
-        self.token: torch.Tensor | None = None
 
-    @torch.no_grad()
     def prefill(self) -> None:
-        with self.context as cache:
-            started = time.perf_counter()
-            out = self.model(input_ids=self.input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            self.token = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-            self.sync()
-            self.trace = DecodeTrace(self.policy, cache.interval, time.perf_counter() - started)
-            self.probe.take()
+        started = time.perf_counter()
+        self.engine.add(self.request)
+        self.sync()
+        self.trace = DecodeTrace(self.policy, self.engine.spec.interval, time.perf_counter() - started)
+        self.probe.take()
 
-    @torch.no_grad()
     def advance(self, steps: int) -> None:
-        trace = self.trace
-        with self.context as cache:
+        trace, cache = self.trace, self.engine.cache
+        with self.engine:
             for _ in range(steps):
                 started = time.perf_counter()
-                logits = self.model(input_ids=self.token, cache=cache, use_cache=True).logits
-                self.token = logits[:, -1].argmax(dim=-1, keepdim=True)
+                self.engine.step()
                 self.sync()
                 trace.step_s.append(time.perf_counter() - started)
                 end_step_s, compact_s = self.probe.take()
@@ -159,7 +152,7 @@ class PolicyDecode:
                 trace.slots.append(cache.layers[0].keys.shape[-2])
 
     def finish(self, on_finish: Callable[[Any], Any] | None = None) -> DecodeTrace:
-        cache, trace = self.context.cache, self.trace
+        cache, trace = self.engine.cache, self.trace
         trace.peak_cache_tokens = cache.stats()[0].peak_cache_tokens
         trace.compactions = cache.compactions
         trace.extra = on_finish(cache) if on_finish is not None else None

@@ -9,7 +9,6 @@ that argument parsing, reports and tests never load a model.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,8 @@ from epikv.eval.config import EvalConfig
 from epikv.eval.protocol import EngineFactory, Generator, GeneratorFactory
 from epikv.eval.report import report
 from epikv.eval.runner import run_eval
+from epikv.policies import policy_class
+from epikv.spec import parse_budget, parse_policy_params
 
 
 def _default_generator_factory(model_name: str | None) -> EngineFactory:
@@ -31,30 +32,12 @@ def _default_generator_factory(model_name: str | None) -> EngineFactory:
     return bound
 
 
-def parse_budget(text: str) -> int | None:
-    """`full` or `0` means no eviction (None); otherwise a positive token count."""
-    if text.lower() in {"full", "0"}:
-        return None
+def parse_budget_arg(text: str) -> int:
+    """`--budget`: a positive number of tokens (:func:`epikv.spec.parse_budget`, one meaning everywhere)."""
     try:
-        budget = int(text)
+        return parse_budget(text)  # type: ignore[return-value]
     except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"budget must be a positive integer or 'full', got {text!r}"
-        ) from err
-    if budget < 0:
-        raise argparse.ArgumentTypeError(f"budget must be a positive integer or 'full', got {text!r}")
-    return budget
-
-
-def parse_policy_param(text: str) -> tuple[str, Any]:
-    """`KEY=VALUE`; VALUE is read as JSON when it parses (numbers, booleans, lists), else as a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"policy parameter must look like KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -66,7 +49,11 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--policy", action="append", required=True, help="eviction policy (repeatable)")
     parser.add_argument(
-        "--budget", action="append", type=parse_budget, required=True, help="KV budget in tokens, or full/0"
+        "--budget",
+        action="append",
+        type=parse_budget_arg,
+        default=[],
+        help="KV budget in tokens (repeatable); every evicting policy runs at each, `full` runs once",
     )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--offset", type=int, default=0)
@@ -79,7 +66,11 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval", type=int, default=None, help="eviction interval in decode steps")
     parser.add_argument(
-        "--policy-param", action="append", type=parse_policy_param, default=[], metavar="KEY=VALUE"
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy hyperparameter, parsed by the policy's field type (repeatable)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--out", required=True, help="output folder")
@@ -98,27 +89,41 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
-    """One config per (policy, budget), in the order given; duplicates are dropped."""
-    base = EvalConfig(
-        dataset=args.dataset,
-        policy=args.policy[0],
-        out=args.out,
-        model=args.model,
-        limit=args.limit,
-        offset=args.offset,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        n_samples=args.samples,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        shard=args.shard,
-        interval=args.interval,
-        policy_params=dict(args.policy_param),
-        progress=not args.no_progress,
-    )
-    pairs = dict.fromkeys((p, b) for p in args.policy for b in args.budget)
-    return [dataclasses.replace(base, policy=p, budget=b) for p, b in pairs]
+    """One config per (evicting policy, budget) and one per non-evicting policy (no budget), in the
+    order given; duplicates are dropped. Policy parameters are parsed by each policy's field types."""
+    pairs: list[tuple[str, int | None]] = []
+    for policy in args.policy:
+        if not policy_class(policy).evicts:
+            pairs.append((policy, None))
+        elif not args.budget:
+            raise ValueError(f"policy {policy!r} evicts and needs --budget (a number of tokens)")
+        else:
+            pairs.extend((policy, budget) for budget in args.budget)
+    configs = []
+    for policy, budget in dict.fromkeys(pairs):
+        params = parse_policy_params(policy_class(policy), args.policy_param)
+        configs.append(
+            EvalConfig(
+                dataset=args.dataset,
+                policy=policy,
+                budget=budget,
+                out=args.out,
+                model=args.model,
+                limit=args.limit,
+                offset=args.offset,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                n_samples=args.samples,
+                seed=args.seed,
+                batch_size=args.batch_size,
+                shard=args.shard,
+                interval=args.interval,
+                policy_params=json.loads(json.dumps(params)),  # the saved (JSON) form: tuples as lists
+                progress=not args.no_progress,
+            )
+        )
+    return configs
 
 
 def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) -> int:

@@ -8,7 +8,6 @@ from epikv.integration.hooks import (
     attach,
     attention_implementation,
     build_spec,
-    resolve_policy,
 )
 
 __all__ = [
@@ -22,5 +21,4 @@ __all__ = [
     "check_supported",
     "model_info",
     "project_queries",
-    "resolve_policy",
 ]

@@ -79,6 +79,7 @@ def model_info(model: nn.Module) -> ModelInfo:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         hidden_size=config.hidden_size,
+        context_length=getattr(config, "max_position_embeddings", None),
     )
 
 

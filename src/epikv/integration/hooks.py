@@ -43,12 +43,6 @@ def build_spec(
     )
 
 
-def resolve_policy(model: nn.Module, policy: str | Policy, **params: Any) -> Policy:
-    """The policy with its parameters and model-dependent defaults (bands) filled in."""
-    spec = build_spec(model, policy, 1, params=params)
-    return spec.policy
-
-
 class Attachment:
     """The hooks that feed every :class:`BudgetedCache` of one spec on one model.
 

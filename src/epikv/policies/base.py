@@ -54,6 +54,7 @@ class ModelInfo:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
+    context_length: int | None = None  # positions the model was trained on (max_position_embeddings)
 
 
 @dataclass(frozen=True)

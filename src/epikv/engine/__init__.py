@@ -1,0 +1,9 @@
+"""The decode engine: a scheduler that admits requests by KV slots, the budgeted cache that keeps
+their rows, a runner that executes one forward, and the :class:`Engine` that drives them.
+Every decode in epikv runs here (see :mod:`epikv.engine.engine`)."""
+
+from epikv.engine.engine import Engine
+from epikv.engine.request import Completion, Request, SamplingParams
+from epikv.engine.scheduler import QueueFull, Scheduler, SchedulerLimits
+
+__all__ = ["Completion", "Engine", "QueueFull", "Request", "SamplingParams", "Scheduler", "SchedulerLimits"]

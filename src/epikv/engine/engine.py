@@ -1,0 +1,243 @@
+"""The one decode engine: a running batch of requests over one budgeted cache.
+
+Every decode in epikv — ``generate``, ``eval``, the fidelity and speed benchmarks, calibration and the
+server — is a client of :class:`Engine`. Requests are *submitted* to the scheduler and *added* when
+admitted: each is prefilled alone into a cache of its own and spliced into the running batch (its
+cache rows, true positions, validity and the policy's per-row state), so a request yields the tokens
+it yields alone. :meth:`Engine.step` admits what fits, runs one forward for every live row, picks
+one token per row (or feeds the forced one) and lets finished rows go, freeing their slots.
+It owns the requests' lifetimes; the scheduler owns admission, the cache owns memory, the runner
+runs the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from epikv.cache import BudgetedCache
+from epikv.engine.request import Completion, Request
+from epikv.engine.runner import Runner, new_generator, pick
+from epikv.engine.scheduler import Scheduler, SchedulerLimits
+from epikv.integration import model_info
+from epikv.spec import CacheSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """A request that has been prefilled (row i of the running cache is ``Engine.rows[i]``)."""
+
+    request: Request
+    generator: torch.Generator | None
+    started: float
+    prefill_seconds: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    first_evicted: int | None = None
+    reason: str = ""
+
+
+class Engine:
+    """One spec, one model, one running batch; see the module docstring."""
+
+    def __init__(self, model: nn.Module, spec: CacheSpec, limits: SchedulerLimits | None = None) -> None:
+        self.spec = spec
+        self.runner = Runner(model, spec)
+        self.scheduler: Scheduler[Request] = Scheduler(limits)
+        self.cache = self.runner.new_cache()
+        self.rows: list[_Live] = []
+        self.context_length = model_info(model).context_length
+        self.tokens_out = 0  # tokens chosen so far (for metrics)
+        self.evictions_done = 0  # tokens evicted from requests that have finished (for metrics)
+
+    # -- hooks held for a run of many steps (optional: each call installs them otherwise) ---------
+    def __enter__(self) -> Engine:
+        self.runner.attachment.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.runner.attachment.__exit__(*exc)
+
+    # -- admission -------------------------------------------------------------------------------
+    def slots_for(self, request: Request) -> int:
+        """Cache slots ``request`` reserves: the most it can ever hold."""
+        return self.spec.peak_tokens(request.prompt_tokens, request.max_new_tokens, request.budget)
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError naming what cannot work for this request, before any compute."""
+        if request.budget is not None and (self.spec.budget is None or request.budget > self.spec.budget):
+            raise ValueError(
+                f"a request's budget must be at most the engine's ({self.spec.budget}), got {request.budget}"
+            )
+        self.spec.check_prompt(request.prompt_tokens, request.budget)
+        context, tokens = self.context_length, request.prompt_tokens
+        if context is not None and tokens > context:
+            raise ValueError(f"the prompt has {tokens} tokens but the model's context is {context} tokens")
+        if context is not None and tokens + request.max_new_tokens > context:
+            log.warning(
+                "request %s: %d prompt + %d new tokens run past the model's context of %d",
+                request.id,
+                tokens,
+                request.max_new_tokens,
+                context,
+            )
+        self.scheduler.check(self.slots_for(request))
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; :meth:`step` admits it when the pool and batch limits allow."""
+        self.validate(request)
+        self.scheduler.enqueue(request, self.slots_for(request))
+
+    def add(self, request: Request) -> Completion | None:
+        """Admit ``request`` now: prefill it alone, pick its first token and splice its row into the
+        running batch. Returns its completion if it finished on that first token."""
+        self.validate(request)
+        return self._admit(request)
+
+    def _admit(self, request: Request) -> Completion | None:
+        self.scheduler.admit(request.id, self.slots_for(request))
+        try:
+            return self._start(request)
+        except BaseException:
+            self.scheduler.release(request.id)
+            raise
+
+    def _start(self, request: Request) -> Completion | None:
+        live = _Live(request, new_generator(request.sampling), time.perf_counter())
+        if request.prefix is not None:
+            cache = request.prefix.prefix(request.prefix_length)
+        else:
+            cache = self.runner.new_cache(request.budget)
+        logits = self.runner.prefill(cache, request.prompt_ids)
+        live.prefill_seconds = time.perf_counter() - live.started
+        greedy = int(logits.argmax())
+        if self._choose(live, logits, greedy, evicted=False):
+            return self._completion(live, cache, 0)
+        self.cache.append(cache)
+        self.rows.append(live)
+        return None
+
+    # -- decoding --------------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.rows or self.scheduler.waiting)
+
+    def step(self) -> list[Completion]:
+        """Admit what fits, then one forward for every live row; returns the requests that finished."""
+        done = [c for request, _ in self.scheduler.admissible() if (c := self._admit(request)) is not None]
+        if not self.rows:
+            return done
+        evicted = [n > 0 for n in self.cache.row_compactions]
+        tokens = torch.tensor([live.tokens[-1] for live in self.rows], device=self.runner.device)
+        logits = self.runner.decode(self.cache, tokens)
+        greedy = logits.argmax(dim=-1).tolist()
+        finished = [
+            row
+            for row, live in enumerate(self.rows)
+            if self._choose(live, logits[row], greedy[row], evicted[row])
+        ]
+        if finished:
+            done.extend(self._release(finished))
+        return done
+
+    def _choose(self, live: _Live, logits: torch.Tensor, greedy: int, evicted: bool) -> bool:
+        """Pick (or force) a row's next token from its logits (V,); True when the request is done."""
+        request, index = live.request, len(live.tokens)
+        if evicted and live.first_evicted is None:
+            live.first_evicted = index
+        if request.on_logits is not None:
+            request.on_logits(index, logits, evicted)
+        if request.forced is not None:
+            token = int(request.forced[index])
+        elif request.sampling.greedy:
+            token = greedy
+        else:
+            token = pick(logits, request.sampling, live.generator)
+        live.tokens.append(token)
+        self.tokens_out += 1
+        if request.on_token is not None and request.on_token(token):
+            live.reason = "stop"
+        elif token in request.stop_ids:
+            live.reason = "eos"
+        elif len(live.tokens) >= request.max_new_tokens:
+            live.reason = "length"
+        return bool(live.reason)
+
+    # -- leaving ---------------------------------------------------------------------------------
+    def finish(self, request_id: int, reason: str = "cancelled") -> Completion | None:
+        """Stop a request now (a client that left): drop its row, or take it out of the queue.
+        Returns its completion, or None if it is not known (already finished)."""
+        for row, live in enumerate(self.rows):
+            if live.request.id == request_id:
+                live.reason = reason
+                return self._release([row])[0]
+        for request, _ in list(self.scheduler.waiting):
+            if request.id == request_id:
+                self.scheduler.remove(request)
+                return None
+        return None
+
+    def _release(self, rows: list[int]) -> list[Completion]:
+        stats = self.cache.stats()
+        out = [self._completion(self.rows[r], None, r, stats[r]) for r in rows]
+        gone = set(rows)
+        keep = [r for r in range(len(self.rows)) if r not in gone]
+        self.cache.take_rows(keep)
+        self.rows = [self.rows[r] for r in keep]
+        return out
+
+    def _completion(self, live: _Live, cache: BudgetedCache | None, row: int, stats=None) -> Completion:
+        stats = stats or cache.stats()[row]
+        compactions = (cache or self.cache).row_compactions[row]
+        self.scheduler.release(live.request.id)
+        self.evictions_done += stats.evictions
+        return Completion(
+            request_id=live.request.id,
+            token_ids=live.tokens,
+            finish_reason=live.reason,
+            prompt_tokens=live.request.prompt_tokens,
+            peak_cache_tokens=stats.peak_cache_tokens,
+            final_cache_tokens=stats.final_cache_tokens,
+            evictions=stats.evictions,
+            compactions=compactions,
+            first_evicted_index=live.first_evicted,
+            prefill_seconds=live.prefill_seconds,
+            seconds=time.perf_counter() - live.started,
+        )
+
+    # -- a whole batch ----------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request]) -> list[Completion]:
+        """Submit every request and step until all are done; completions in the requests' order."""
+        order = []
+        for request in requests:
+            self.submit(request)
+            order.append(request.id)
+        done: dict[int, Completion] = {}
+        with self:
+            while self.has_work():
+                for completion in self.step():
+                    done[completion.request_id] = completion
+        return [done[i] for i in order]
+
+    def live_stats(self) -> dict[str, int]:
+        """Counters for metrics: running rows, waiting requests, cached tokens, reserved slots."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "cached_tokens": sum(self.cache.held),
+            "reserved_slots": self.scheduler.reserved_slots,
+            "evictions": self.evictions_done + sum(self.cache.evicted),
+        }

@@ -1,0 +1,106 @@
+"""What the engine is asked to do and what it answers: requests, their sampling, their outcome.
+
+A :class:`Request` is one sequence: prompt token ids, how many tokens to produce, how to pick them
+(greedy, seeded sampling, or *forced*: teacher forcing feeds given tokens and still reports the
+model's logits), when to stop, and optional callbacks. It knows no tokenizer and no model; stop
+strings and detokenised streaming belong to the caller's ``on_token``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_ids = itertools.count()
+
+TokenCallback = Callable[[int], "bool | None"]
+"""Called with each chosen token id; returning True stops the request (finish reason ``stop``)."""
+LogitsCallback = Callable[[int, torch.Tensor, bool], None]
+"""Called before each token is chosen with (index, logits (V,), whether the cache had evicted)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; otherwise temperature + nucleus (top_p) sampling from a generator
+    seeded with ``seed``, one per request, so a request draws the same tokens in any batch."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Request:
+    """One sequence for the engine.
+
+    prompt_ids: the prompt's token ids (at least one). max_new_tokens: tokens to produce (with
+    ``forced``, at most its length). stop_ids: token ids that end the request (EOS; empty to ignore
+    EOS). forced: tokens fed instead of chosen ones (teacher forcing); the model's logits still reach
+    ``on_logits``. budget: this request's own K, at most the spec's (None = the spec's). prefix: a
+    cache (batch 1, nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    forced: Sequence[int] | None = None
+    budget: int | None = None
+    on_token: TokenCallback | None = None
+    on_logits: LogitsCallback | None = None
+    prefix: Any = None
+    prefix_length: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.forced is not None:
+            if not self.forced:
+                raise ValueError("forced tokens must not be empty")
+            self.max_new_tokens = min(self.max_new_tokens, len(self.forced))
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"a request budget must be a positive number of tokens, got {self.budget}")
+        self.stop_ids = frozenset(self.stop_ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prefix_length + len(self.prompt_ids)
+
+
+@dataclass
+class Completion:
+    """What one request produced and what the cache did while it ran.
+
+    finish_reason: ``eos`` (a stop id), ``stop`` (``on_token`` asked), ``length``, or ``cancelled``.
+    first_evicted_index: index of the first token chosen from logits of a cache that had already
+    evicted (None if it never did). seconds: from the request's prefill to its last token.
+    """
+
+    request_id: int
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    peak_cache_tokens: int
+    final_cache_tokens: int
+    evictions: int
+    compactions: int
+    first_evicted_index: int | None
+    prefill_seconds: float
+    seconds: float

@@ -1,0 +1,70 @@
+"""What runs: one forward pass, and picking tokens from its logits.
+
+The runner owns the model calls of the engine — a request's prefill into a cache of its own, one
+decode forward for every row of the running batch, and a forced extension that returns every
+position's logits — and token choice (greedy, or seeded temperature / nucleus sampling with one
+generator per request). It holds the hooks (:class:`~epikv.integration.Attachment`) that feed the
+caches and knows nothing of queues or requests' lifetimes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from epikv.cache import BudgetedCache
+from epikv.engine.request import SamplingParams
+from epikv.integration import Attachment
+from epikv.spec import CacheSpec
+
+
+class Runner:
+    """Model calls for one spec on one model."""
+
+    def __init__(self, model: nn.Module, spec: CacheSpec) -> None:
+        self.model = model
+        self.attachment = Attachment(model, spec)
+        self.device = next(model.parameters()).device
+
+    def new_cache(self, budget: int | None = None) -> BudgetedCache:
+        return self.attachment.new_cache(budget)
+
+    @torch.no_grad()
+    def prefill(self, cache: BudgetedCache, ids: Sequence[int]) -> torch.Tensor:
+        """Run ``ids`` (one sequence) into ``cache``; the logits of the last position, (V,)."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        with self.attachment:
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    @torch.no_grad()
+    def extend(self, cache: BudgetedCache, ids: Sequence[int]) -> torch.Tensor:
+        """Run ``ids`` (one sequence) into ``cache``; the logits of every position, (q, V)."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        with self.attachment:
+            return self.model(input_ids=input_ids, cache=cache, use_cache=True).logits[0]
+
+    @torch.no_grad()
+    def decode(self, cache: BudgetedCache, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``cache``, (B,); the next logits, (B, V)."""
+        with self.attachment:
+            out = self.model(input_ids=tokens[:, None], cache=cache, use_cache=True)
+        return out.logits[:, -1]
+
+
+def pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row's logits (V,): argmax, or a draw from ``generator``."""
+    if sampling.greedy or generator is None:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        drop = sorted_p.cumsum(dim=-1) - sorted_p > sampling.top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def new_generator(sampling: SamplingParams) -> torch.Generator | None:
+    return None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)

@@ -1,0 +1,92 @@
+"""Who runs: a FIFO queue, and admission by KV slots reserved from a pool.
+
+The scheduler keeps the books of one engine's memory in *cache slots*: a request reserves the most
+slots it can ever hold (:meth:`epikv.spec.CacheSpec.peak_tokens`: K + tau for an evicting policy,
+prompt + max_new_tokens for the full cache) when it is admitted and returns them when it leaves.
+With a pool of P slots, at most P slots are ever reserved, so an evicting policy admits about
+P / (K + tau) requests at once where the full cache admits P / (prompt + max_new_tokens). Requests
+wait in order; the head of the queue is never overtaken (no starvation of long requests). It knows
+nothing of models or tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its limit (a server answers 429)."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """kv_pool: slots all running requests may reserve together (None = unlimited); max_batch: rows
+    decoded together (None = unlimited); max_waiting: requests that may wait (None = unlimited)."""
+
+    kv_pool: int | None = None
+    max_batch: int | None = None
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_pool", "max_batch", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "max_waiting" else 1):
+                raise ValueError(f"{name} must be a positive number, got {value}")
+
+
+class Scheduler(Generic[T]):
+    """Waiting items (each with the slots it needs) and the slots reserved by running ones."""
+
+    def __init__(self, limits: SchedulerLimits | None = None) -> None:
+        self.limits = limits or SchedulerLimits()
+        self.waiting: deque[tuple[T, int]] = deque()
+        self.reserved: dict[int, int] = {}
+
+    @property
+    def reserved_slots(self) -> int:
+        return sum(self.reserved.values())
+
+    def check(self, slots: int) -> None:
+        """Refuse at once what no amount of waiting would admit."""
+        pool = self.limits.kv_pool
+        if pool is not None and slots > pool:
+            raise ValueError(f"the request needs {slots} cache slots but the whole KV pool holds {pool}")
+
+    def enqueue(self, item: T, slots: int) -> None:
+        self.check(slots)
+        limit = self.limits.max_waiting
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting (the queue holds {limit})")
+        self.waiting.append((item, slots))
+
+    def can_admit(self, slots: int) -> bool:
+        pool, batch = self.limits.kv_pool, self.limits.max_batch
+        if batch is not None and len(self.reserved) >= batch:
+            return False
+        return pool is None or self.reserved_slots + slots <= pool
+
+    def admit(self, key: int, slots: int) -> None:
+        if not self.can_admit(slots):
+            raise RuntimeError(f"admitting {slots} slots would exceed the pool or the batch limit")
+        self.reserved[key] = slots
+
+    def release(self, key: int) -> None:
+        self.reserved.pop(key, None)
+
+    def admissible(self) -> Iterator[tuple[T, int]]:
+        """Pop waiting items in order while the head fits (the caller then admits each)."""
+        while self.waiting and self.can_admit(self.waiting[0][1]):
+            yield self.waiting.popleft()
+
+    def remove(self, item: T) -> bool:
+        """Drop a waiting item (a client that left before it ran); True if it was waiting."""
+        for entry in self.waiting:
+            if entry[0] is item:
+                self.waiting.remove(entry)
+                return True
+        return False
