@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from epikv.models import set_identity
+
 # Tiny models run faster on one thread than with two threads waking per op.
 torch.set_num_threads(1)
 
@@ -27,7 +29,7 @@ def make_tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**TINY))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=False))
-    model.epikv_identity = f"tiny-{arch}"
+    set_identity(model, f"tiny-{arch}")
     return model.eval()
 
 

@@ -209,6 +209,8 @@ def random_model(
     """A random-weight causal LM built from a preset name or a config dict (``model_type`` key)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from epikv.models import set_identity
+
     if isinstance(preset, str):
         if preset not in RANDOM_PRESETS:
             raise ValueError(f"unknown random model {preset!r} (known: {', '.join(sorted(RANDOM_PRESETS))})")
@@ -221,7 +223,7 @@ def random_model(
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.epikv_identity = f"random:{name}"
+    set_identity(model, f"random:{name}")
     return model.eval()
 
 
@@ -242,7 +244,7 @@ def load_bench_model(
 def model_name(model: torch.nn.Module) -> str:
     from epikv.models import model_identity
 
-    return getattr(model, "epikv_identity", None) or model_identity(model)
+    return model_identity(model)
 
 
 def page_in(model: torch.nn.Module) -> None:
