@@ -45,8 +45,10 @@ def format_table(runs: Sequence[RunSummary]) -> str:
 
 
 def report(dirs: Sequence[str | Path], plots: str | Path | None = None, regrade_text: bool = False) -> str:
-    """Markdown table of every run folder under `dirs`; when `plots` is given, also writes the PNGs there."""
+    """Markdown table of every run folder under `dirs`; when `plots` is given, also writes the PNGs there
+    (the CLI prints the table before drawing instead, see `cli.report_command`)."""
     runs = load_runs(dirs, regrade_text)
+    table = format_table(runs)
     if plots is not None:
         draw_all(runs, Path(plots))
-    return format_table(runs)
+    return table
