@@ -4,31 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from epikv.models.tiny import tiny_model as build_tiny_model
 
 # Tiny models run faster on one thread than with two threads waking per op.
 torch.set_num_threads(1)
 
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    attn_implementation="sdpa",
-)
-
 
 def make_tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=False))
-    model.epikv_identity = f"tiny-{arch}"
-    return model.eval()
+    """The library's tiny model (4 layers, sdpa, 4096 positions) named ``tiny-<arch>``."""
+    return build_tiny_model(arch, seed, identity=f"tiny-{arch}")
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

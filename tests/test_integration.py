@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralForCausalLM
 
 import epikv
 from epikv import scoring
 from epikv.integration import active_hooks, attention_implementation, model_info, project_queries
-from tests.conftest import TINY
+from epikv.models.tiny import tiny_config
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70, 4]])
 
@@ -41,8 +41,7 @@ def test_unsupported_models_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
         epikv.attach(gpt2, "streaming", budget=32)
-    cfg = {k: v for k, v in TINY.items() if k != "attn_implementation"}
-    mistral = MistralForCausalLM(MistralConfig(**cfg, sliding_window=64))
+    mistral = MistralForCausalLM(tiny_config("mistral", sliding_window=64))
     with pytest.raises(ValueError, match="sliding-window"):
         epikv.attach(mistral, "streaming", budget=32)
 

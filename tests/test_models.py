@@ -1,6 +1,8 @@
 """Tests for epikv.models: the embedded SmolLM2 model, its safetensors cache, and other model folders.
 
-The GGUF conversion (~20 s) runs once per session, into a temporary EPIKV_CACHE_DIR.
+The GGUF conversion (~20 s) runs once per session, into a temporary EPIKV_CACHE_DIR. Other tests pass
+``load_model`` a GGUF reader of their own (``gguf_reader=``): one that refuses to be used, or a cheap
+fake that returns a tiny random model and the real tokenizer.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ import pytest
 import torch
 
 from epikv import models
+from epikv.integration import model_info
 from epikv.models import (
     DEFAULT_MODEL,
     ModelLoadError,
+    TransformersGgufReader,
     embedded_gguf_path,
     load_model,
     model_cache_dir,
     model_identity,
+    set_identity,
 )
+from epikv.models.tiny import tiny_model as build_tiny_model
 
 SAMPLES = [
     "Hello world!\n  x = 1 + 2",
@@ -53,6 +59,27 @@ def _refuse(*args: object, **kwargs: object) -> None:
     raise AssertionError("the GGUF file was read, but the safetensors cache should have been used")
 
 
+class RefusingReader:
+    """A GGUF reader for loads that must not read the GGUF at all."""
+
+    def model(self, gguf: Path, attn_implementation: str) -> Any:
+        _refuse()
+
+    def tokenizer(self, gguf: Path) -> Any:
+        _refuse()
+
+
+class CountingReader(TransformersGgufReader):
+    """transformers' reader, counting how often the model is converted."""
+
+    def __init__(self) -> None:
+        self.model_calls = 0
+
+    def model(self, gguf: Path, attn_implementation: str) -> Any:
+        self.model_calls += 1
+        return super().model(gguf, attn_implementation)
+
+
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory):
     """The embedded model, converted from the GGUF once into a fresh cache (EPIKV_CACHE_DIR)."""
@@ -61,20 +88,12 @@ def embedded(tmp_path_factory: pytest.TempPathFactory):
     cache = tmp_path_factory.mktemp("epikv-cache")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EPIKV_CACHE_DIR", str(cache))
-        calls: list[object] = []
-        real = models._load_gguf_model
-        with pytest.MonkeyPatch.context() as spy:
-
-            def counting(*args: Any, **kwargs: Any) -> Any:
-                calls.append(args)
-                return real(*args, **kwargs)
-
-            spy.setattr(models, "_load_gguf_model", counting)
-            start = time.perf_counter()
-            model, tokenizer = load_model()
-            seconds = time.perf_counter() - start
+        reader = CountingReader()
+        start = time.perf_counter()
+        model, tokenizer = load_model(gguf_reader=reader)
+        seconds = time.perf_counter() - start
         folder = models.embedded_cache_folder()
-        yield Embedded(model, tokenizer, cache, folder, len(calls), seconds)
+        yield Embedded(model, tokenizer, cache, folder, reader.model_calls, seconds)
 
 
 def _generate(model: Any, tokenizer: Any, messages: list[dict[str, str]], tokens: int = 16) -> str:
@@ -142,11 +161,9 @@ def test_first_load_converts_gguf_into_cache(embedded: Embedded) -> None:
 def test_cached_load_does_not_touch_gguf(embedded: Embedded, monkeypatch: pytest.MonkeyPatch) -> None:
     import gguf
 
-    monkeypatch.setattr(models, "_load_gguf_model", _refuse)
-    monkeypatch.setattr(models, "_load_gguf_tokenizer", _refuse)
     monkeypatch.setattr(gguf, "GGUFReader", _refuse)
     start = time.perf_counter()
-    model, tokenizer = load_model(DEFAULT_MODEL)
+    model, tokenizer = load_model(DEFAULT_MODEL, gguf_reader=RefusingReader())
     seconds = time.perf_counter() - start
     print(f"first load {embedded.seconds:.1f} s, cached load {seconds:.2f} s")
     assert seconds < 15
@@ -172,6 +189,7 @@ def test_identity_of_cache_loaded_directly(embedded: Embedded) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(str(embedded.folder))
     assert model_identity(model) == DEFAULT_MODEL
+    assert model_info(model).identity == DEFAULT_MODEL  # what the profile lookup uses: the same rule
 
 
 def test_load_with_other_dtype_and_device(embedded: Embedded) -> None:
@@ -181,9 +199,7 @@ def test_load_with_other_dtype_and_device(embedded: Embedded) -> None:
     assert model_identity(model) == DEFAULT_MODEL
 
 
-def test_broken_cached_decoder_is_rebuilt_from_gguf(
-    embedded: Embedded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_broken_cached_decoder_is_rebuilt_from_gguf(embedded: Embedded, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     folder = _copy_cache(embedded, tmp_path)
@@ -195,14 +211,14 @@ def test_broken_cached_decoder_is_rebuilt_from_gguf(
 
     rebuilt: list[Path] = []
 
-    def from_gguf(
-        gguf: Path,
-    ) -> Any:  # stands in for re-reading the GGUF (~3 s; the fixture does it for real)
-        rebuilt.append(gguf)
-        return AutoTokenizer.from_pretrained(str(embedded.folder))
+    class TokenizerOnly(RefusingReader):
+        """Stands in for re-reading the GGUF (~3 s; the fixture does it for real)."""
 
-    monkeypatch.setattr(models, "_load_gguf_tokenizer", from_gguf)
-    _, tokenizer = load_model(cache_dir=tmp_path)
+        def tokenizer(self, gguf: Path) -> Any:
+            rebuilt.append(gguf)
+            return AutoTokenizer.from_pretrained(str(embedded.folder))
+
+    _, tokenizer = load_model(cache_dir=tmp_path, gguf_reader=TokenizerOnly())
     assert rebuilt == [embedded_gguf_path()]
     _assert_round_trip(tokenizer)
     assert json.loads((folder / "tokenizer.json").read_text())["decoder"] is not None  # repaired on disk
@@ -210,16 +226,13 @@ def test_broken_cached_decoder_is_rebuilt_from_gguf(
     _assert_round_trip(again)
 
 
-def test_wrong_cached_tokenizer_class_is_repaired(
-    embedded: Embedded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_wrong_cached_tokenizer_class_is_repaired(embedded: Embedded, tmp_path: Path) -> None:
     folder = _copy_cache(embedded, tmp_path)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"  # a different pre-tokenizer: other ids for "\n  "
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(models, "_load_gguf_tokenizer", _refuse)
 
-    _, tokenizer = load_model(cache_dir=tmp_path)
+    _, tokenizer = load_model(cache_dir=tmp_path, gguf_reader=RefusingReader())
     _assert_round_trip(tokenizer)
     assert tokenizer.encode(SAMPLES[0], add_special_tokens=False) == embedded.tokenizer.encode(
         SAMPLES[0], add_special_tokens=False
@@ -227,96 +240,96 @@ def test_wrong_cached_tokenizer_class_is_repaired(
     assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] != "Qwen2Tokenizer"
 
 
-def test_unrepairable_tokenizer_raises(
-    embedded: Embedded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unrepairable_tokenizer_raises(embedded: Embedded, tmp_path: Path) -> None:
     folder = _copy_cache(embedded, tmp_path)
     spec = json.loads((folder / "tokenizer.json").read_text())
     spec["decoder"] = None
     (folder / "tokenizer.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(models, "_load_gguf_tokenizer", _refuse)
     with pytest.raises(RuntimeError, match="does not encode and decode text exactly"):
-        load_model(cache_dir=tmp_path)
+        load_model(cache_dir=tmp_path, gguf_reader=RefusingReader())
 
 
 def _tiny_llama(vocab_size: int, eos: int | None = None, bos: int | None = None) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    """Smaller than the shared tiny model (2 layers, hidden 32, 128 positions) and unnamed, so a
+    folder it is saved to is named by its path."""
+    return build_tiny_model(
+        "llama",
+        seed=0,
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         eos_token_id=eos,
         bos_token_id=bos,
     )
-    return LlamaForCausalLM(config)
+
+
+class FakeReader:
+    """Makes "converting the GGUF" cheap: a tiny random model plus the real tokenizer. Records calls."""
+
+    def __init__(self, embedded: Embedded) -> None:
+        self.embedded = embedded
+        self.calls: list[str] = []
+
+    def model(self, gguf: Path, attn_implementation: str) -> Any:
+        self.calls.append("model")
+        return _tiny_llama(len(self.embedded.tokenizer), eos=self.embedded.tokenizer.eos_token_id)
+
+    def tokenizer(self, gguf: Path) -> Any:
+        from transformers import AutoTokenizer
+
+        self.calls.append("tokenizer")
+        return AutoTokenizer.from_pretrained(str(self.embedded.folder))
 
 
 @pytest.fixture
-def fake_gguf(embedded: Embedded, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Make "converting the GGUF" cheap: a tiny random model plus the real tokenizer. Records calls."""
-    from transformers import AutoTokenizer
-
-    calls: list[str] = []
-
-    def model(gguf: Path, attn_implementation: str) -> Any:
-        calls.append("model")
-        return _tiny_llama(len(embedded.tokenizer), eos=embedded.tokenizer.eos_token_id)
-
-    def tokenizer(gguf: Path) -> Any:
-        calls.append("tokenizer")
-        return AutoTokenizer.from_pretrained(str(embedded.folder))
-
-    monkeypatch.setattr(models, "_load_gguf_model", model)
-    monkeypatch.setattr(models, "_load_gguf_tokenizer", tokenizer)
-    return calls
+def fake_gguf(embedded: Embedded) -> FakeReader:
+    return FakeReader(embedded)
 
 
-def test_unwritable_cache_still_gives_a_model(fake_gguf: list[str], tmp_path: Path) -> None:
+def test_unwritable_cache_still_gives_a_model(fake_gguf: FakeReader, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     with pytest.warns(UserWarning, match="not cached"):
-        model, tokenizer = load_model(cache_dir=blocker)
-    assert fake_gguf == ["tokenizer", "model"]
+        model, tokenizer = load_model(cache_dir=blocker, gguf_reader=fake_gguf)
+    assert fake_gguf.calls == ["tokenizer", "model"]
     assert model.config.num_hidden_layers == 2  # the (fake) converted model, used as it is
     _assert_ready(model, tokenizer)
     assert model_identity(model) == DEFAULT_MODEL
     _assert_round_trip(tokenizer)
 
 
-def test_interrupted_conversion_leaves_nothing(
-    fake_gguf: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_interrupted_conversion_leaves_nothing(fake_gguf: FakeReader, tmp_path: Path) -> None:
     final = models.embedded_cache_folder(tmp_path)
     seen: list[tuple[Path, bool]] = []
 
-    def interrupted(folder: Path, *args: object) -> None:
-        seen.append((folder, final.exists()))
+    def interrupted(folder: Path, *args: object, **kwargs: object) -> None:
+        seen.append((Path(folder), final.exists()))
         raise KeyboardInterrupt
 
-    with monkeypatch.context() as patch:
-        patch.setattr(models, "_write_marker", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            load_model(cache_dir=tmp_path)
+    class Interrupting(FakeReader):
+        def tokenizer(self, gguf: Path) -> Any:
+            tokenizer = super().tokenizer(gguf)
+            tokenizer.save_pretrained = interrupted  # the weights are written by now, the marker is not
+            return tokenizer
+
+    with pytest.raises(KeyboardInterrupt):
+        load_model(cache_dir=tmp_path, gguf_reader=Interrupting(fake_gguf.embedded))
     assert seen and seen[0][0].parent == final.parent and seen[0][0] != final  # written next to it
     assert seen[0][1] is False  # the final folder does not exist while the copy is being written
     assert list((tmp_path / "models").iterdir()) == []  # neither the folder nor a temp folder
-    model, _ = load_model(cache_dir=tmp_path)
+    model, _ = load_model(cache_dir=tmp_path, gguf_reader=fake_gguf)
     assert model.config.num_hidden_layers == 2
     assert [p.name for p in (tmp_path / "models").iterdir()] == [models.embedded_cache_folder(tmp_path).name]
 
 
-def test_incomplete_cache_folder_is_replaced(fake_gguf: list[str], tmp_path: Path) -> None:
+def test_incomplete_cache_folder_is_replaced(fake_gguf: FakeReader, tmp_path: Path) -> None:
     folder = models.embedded_cache_folder(tmp_path)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")  # no weights, no marker: not a finished conversion
-    model, _ = load_model(cache_dir=tmp_path)
-    assert fake_gguf == ["tokenizer", "model"]
+    model, _ = load_model(cache_dir=tmp_path, gguf_reader=fake_gguf)
+    assert fake_gguf.calls == ["tokenizer", "model"]
     assert (folder / models.MARKER_FILENAME).is_file()
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     assert model_identity(model) == DEFAULT_MODEL
@@ -409,15 +422,22 @@ def test_model_cache_dir_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 
 def test_model_identity_fallbacks() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
-        )
+    model = build_tiny_model(
+        "llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=2048,
     )
     assert model_identity(model) == "<unnamed LlamaForCausalLM>"
+    assert model_info(model).identity == "<unnamed LlamaForCausalLM>"
     model.config.name_or_path = "org/some-model"
     assert model_identity(model) == "org/some-model"
+    assert model_info(model).identity == "org/some-model"
     setattr(model.config, models.IDENTITY_ATTRIBUTE, DEFAULT_MODEL)
     assert model_identity(model) == DEFAULT_MODEL
+    assert model_info(model).identity == DEFAULT_MODEL
+    set_identity(model, "tiny/named")
+    assert model_identity(model) == model_info(model).identity == "tiny/named"

@@ -20,6 +20,7 @@ from epikv.calibrate.pipeline import (
 )
 from epikv.calibrate.plot import plot_rho
 from epikv.calibrate.traces import Trace, load_traces, save_traces
+from epikv.models import set_identity
 from epikv.profiles import find_profile, scaled_profile
 from tests.conftest import make_tiny
 
@@ -36,7 +37,7 @@ def _traces(n: int) -> list[Trace]:
 @pytest.fixture
 def named_tiny():
     model = make_tiny("llama", seed=1)
-    model.config.name_or_path = "tiny/calib"
+    set_identity(model, "tiny/calib")
     return model
 
 

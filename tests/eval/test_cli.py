@@ -12,6 +12,7 @@ from epikv.eval.cli import add_eval_parser, add_report_parser, parse_budget_arg
 from epikv.eval.tasks import load_task
 
 from .fakes import FakeGenerator, FakeResult, boxed
+from .test_report import make_run
 
 GSM3 = load_task("gsm8k").slice(limit=3)
 
@@ -105,6 +106,16 @@ def test_eval_end_to_end_on_three_gsm8k_problems(
     assert args.func(args) == 0
     assert "| gsm8k | epikv | 256 | 3 | 66.7 [" in capsys.readouterr().out
     assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+
+
+def test_report_prints_the_table_before_plotting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_run(tmp_path, "h2o", 256, [(True, False, 1.0), (False, False, 1.0)])
+    blocked = tmp_path / "plots"
+    blocked.write_text("")  # a file where the figures' folder should be: drawing fails
+    args = parser().parse_args(["report", str(tmp_path), "--plots", str(blocked)])
+    with pytest.raises(OSError):
+        args.func(args)
+    assert "| math500 | h2o | 256 | 2 | 50.0 [" in capsys.readouterr().out
 
 
 def test_eval_rejects_bad_arguments_before_loading_anything(tmp_path: Path) -> None:

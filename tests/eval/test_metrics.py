@@ -38,6 +38,17 @@ def test_wilson_interval_against_hand_values(successes: int, n: int, low: float,
     assert got_high == pytest.approx(high, abs=1e-5)
 
 
+def test_wilson_interval_contains_the_observed_rate() -> None:
+    # Issue #12: the closed form put the bound of 0 of n a few 1e-17 above 0 (and of n of n just below
+    # 1), so `epikv report --plots` drew a negative error bar and crashed.
+    for n in range(1, 301):
+        for successes in range(n + 1):
+            low, high = wilson_interval(successes, n)
+            assert 0.0 <= low <= successes / n <= high <= 1.0, (successes, n, low, high)
+    assert wilson_interval(0, 50)[0] == 0.0
+    assert wilson_interval(10, 10)[1] == 1.0
+
+
 def test_wilson_interval_rejects_impossible_counts() -> None:
     with pytest.raises(ValueError, match="successes=11"):
         wilson_interval(11, 10)

@@ -70,6 +70,16 @@ def test_plots_are_drawn_from_files_alone(runs: Path, tmp_path: Path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+def test_plots_of_runs_scoring_none_and_all(tmp_path: Path) -> None:
+    # Issue #12: a 0% run (0 of 50) and a 100% run (10 of 10) made negative error bars and no plot.
+    make_run(tmp_path, "h2o", 512, [(False, False, 1.0)] * 50)
+    make_run(tmp_path, "h2o", 1024, [(True, False, 1.0)] * 10)
+    table = report([tmp_path], plots=tmp_path / "plots")
+    assert "| h2o | 512 | 50 | 0.0 [0.0, 7.1] |" in table
+    assert "| h2o | 1024 | 10 | 100.0 [72.2, 100.0] |" in table
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+
+
 def test_report_merges_shards_and_finds_nested_folders(tmp_path: Path) -> None:
     folder = make_run(tmp_path, "h2o", 256, [(True, False, 1.0)])
     (folder / "results.jsonl").rename(folder / "results.shard-0-of-2.jsonl")

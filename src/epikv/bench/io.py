@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from epikv.models.tiny import config_from_spec, random_weights, tiny_spec
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -32,22 +34,9 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("kind", "schema", "created", "config", "machine", "results")
 
 # Random-weight models of known shapes: tests and machines without weights still run every kind.
+# The tests' tiny shape, with room for the speed benchmark's long decodes (8192 positions, not 4096).
 RANDOM_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": dict(
-        model_type="llama",
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    ),
-}
-RANDOM_PRESETS["tiny-qwen2"] = {
-    **RANDOM_PRESETS["tiny-llama"],
-    "model_type": "qwen2",
-    "use_sliding_window": False,
+    f"tiny-{arch}": tiny_spec(arch, max_position_embeddings=8192) for arch in ("llama", "qwen2")
 }
 
 
@@ -207,8 +196,6 @@ def random_model(
     preset: str | dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> torch.nn.Module:
     """A random-weight causal LM built from a preset name or a config dict (``model_type`` key)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if isinstance(preset, str):
         if preset not in RANDOM_PRESETS:
             raise ValueError(f"unknown random model {preset!r} (known: {', '.join(sorted(RANDOM_PRESETS))})")
@@ -216,13 +203,8 @@ def random_model(
     else:
         spec, name = dict(preset), str(preset.get("name", "config"))
     spec.pop("name", None)
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.epikv_identity = f"random:{name}"
-    return model.eval()
+    config = config_from_spec(spec)
+    return random_weights(config, seed, identity=f"random:{name}", dtype=dtype, device=device)
 
 
 def load_bench_model(
@@ -242,7 +224,7 @@ def load_bench_model(
 def model_name(model: torch.nn.Module) -> str:
     from epikv.models import model_identity
 
-    return getattr(model, "epikv_identity", None) or model_identity(model)
+    return model_identity(model)
 
 
 def page_in(model: torch.nn.Module) -> None:

@@ -1,8 +1,9 @@
 """Evaluation of KV-cache policies on math reasoning benchmarks.
 
-Layout: `tasks` (datasets + grading entry point), `extract` and `grading` (pure answer handling),
-`loops` (repetition detection), `metrics` (aggregates), `config` / `records` / `runner` (resumable,
-shardable runs), `report` and `plots` (read finished runs from files), `cli` (argparse glue).
+Layout: `task` (what a task is: examples, slicing, the grading entry point), `tasks` and `hub`
+(where tasks come from), `extract` and `grading` (pure answer handling), `loops` (repetition
+detection), `metrics` (aggregates), `config` / `records` / `runner` (resumable, shardable runs),
+`runs`, `report` and `plots` (read finished runs from files), `cli` (argparse glue).
 The generation engine is reached only through the `Generator` protocol in `protocol`.
 """
 
@@ -16,7 +17,8 @@ from epikv.eval.protocol import Generator, GeneratorFactory, SequenceResultLike
 from epikv.eval.records import ExampleResult
 from epikv.eval.report import report
 from epikv.eval.runner import RunOutcome, run_eval
-from epikv.eval.tasks import BUILTIN_TASKS, Example, Grade, Task, load_task
+from epikv.eval.task import Example, Grade, Task
+from epikv.eval.tasks import BUILTIN_TASKS, load_task
 
 __all__ = [
     "BUILTIN_TASKS",

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from epikv.eval.config import EvalConfig
+from epikv.eval.plots import draw_all
 from epikv.eval.protocol import EngineFactory, Generator, GeneratorFactory
-from epikv.eval.report import report
+from epikv.eval.report import format_table, report
 from epikv.eval.runner import run_eval
+from epikv.eval.runs import load_runs
 from epikv.policies import policy_class
 from epikv.spec import parse_budget, parse_policy_params
 
@@ -154,8 +156,12 @@ def _bind(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    print(report(args.dirs, plots=args.plots, regrade_text=getattr(args, "regrade", False)))
+    """Prints the table of every run under the given folders, then draws the figures if asked."""
+    runs = load_runs(args.dirs, regrade_text=getattr(args, "regrade", False))
+    # The table goes out before any figure is drawn, so a plotting failure cannot hide it (issue #12).
+    print(format_table(runs), flush=True)
     if args.plots:
+        draw_all(runs, Path(args.plots))
         for path in sorted(Path(args.plots).glob("*.png")):
             print(f"wrote {path}")
     return 0

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from epikv.eval.tasks import Example, Task
+from epikv.eval.task import Example, Task
 
 _PROBLEM_FIELDS = ("problem", "question", "Problem", "Question")
 _ANSWER_FIELDS = ("answer", "Answer", "final_answer")

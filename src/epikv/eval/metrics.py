@@ -20,7 +20,9 @@ Z_95 = 1.959963984540054
 
 
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion; (0, 1) when n == 0."""
+    """Wilson score interval for a binomial proportion; (0, 1) when n == 0.
+
+    The bounds always hold the observed rate ``successes / n`` (exactly 0 for none, 1 for all)."""
     if n < 0 or not 0 <= successes <= max(n, 0):
         raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
     if n == 0:
@@ -30,7 +32,9 @@ def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, flo
     denominator = 1 + z2 / n
     centre = (p + z2 / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval contains p in exact arithmetic, but at p = 0 (or 1) centre and half are equal up to
+    # rounding, which left the bound ~1e-17 on the wrong side of p: a negative error bar (issue #12).
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def _mean(values: Sequence[float]) -> float | None:

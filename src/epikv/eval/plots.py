@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epikv.eval.report import RunSummary
+from epikv.eval.runs import RunSummary
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

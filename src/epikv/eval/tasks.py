@@ -1,8 +1,8 @@
-"""Evaluation tasks: a dataset view plus pure grading.
+"""Where evaluation tasks come from: the builtin datasets, JSONL files and the dataset hub.
 
-A `Task` has a length, item access, slicing and `evaluate(example, completion)`; it never generates.
 Tasks come from the JSONL files shipped in `epikv/data/` (math500, aime2024, amc2023, gsm8k), from
-any JSONL file with `problem`/`answer` fields, or from a dataset hub (`hf:...`, see `hub.py`).
+any JSONL file with `problem`/`answer` fields, or from a dataset hub (`hf:...`, see `hub.py`). What a
+task is (`Example`, `Grade`, `Task`) lives in `task.py` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,32 +10,27 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from epikv.eval.extract import extract_boxed, extract_final_number
-from epikv.eval.grading import GRADERS
+from epikv.eval.hub import load_hub_task
+from epikv.eval.task import DEFAULT_MAX_NEW_TOKENS, Example, Grade, Task
 
-# Length caps of the paper's protocol (§1.9): 8192 new tokens for MATH-500, 16384 for AIME.
-DEFAULT_MAX_NEW_TOKENS = 8192
-
-
-@dataclass(frozen=True)
-class Example:
-    """One problem. `index` is its position in the full dataset, before any slicing."""
-
-    id: str
-    problem: str
-    answer: str
-    index: int
-
-
-@dataclass(frozen=True)
-class Grade:
-    correct: bool
-    extracted: str | None
+__all__ = [
+    "BUILTIN_TASKS",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "BuiltinTask",
+    "Example",
+    "Grade",
+    "Task",
+    "examples_from_rows",
+    "load_builtin",
+    "load_jsonl",
+    "load_task",
+    "read_jsonl_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -51,54 +46,6 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "amc2023": BuiltinTask("amc2023.jsonl", "math", 8192),
     "gsm8k": BuiltinTask("gsm8k.jsonl", "numeric", 8192),
 }
-
-
-class Task:
-    """A sliceable, gradeable view of a list of examples."""
-
-    def __init__(
-        self,
-        name: str,
-        examples: Sequence[Example],
-        grader: str = "math",
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    ) -> None:
-        if grader not in GRADERS:
-            raise ValueError(f"unknown grader {grader!r}; known: {sorted(GRADERS)}")
-        ids = [example.id for example in examples]
-        if len(set(ids)) != len(ids):
-            duplicate = next(i for i in ids if ids.count(i) > 1)
-            raise ValueError(f"task {name!r} has duplicate example id {duplicate!r}")
-        self.name = name
-        self.grader = grader
-        self.max_new_tokens = max_new_tokens
-        self._examples = tuple(examples)
-
-    def __len__(self) -> int:
-        return len(self._examples)
-
-    def __getitem__(self, position: int) -> Example:
-        return self._examples[position]
-
-    def __iter__(self) -> Iterator[Example]:
-        return iter(self._examples)
-
-    def slice(self, offset: int = 0, limit: int | None = None) -> Task:
-        """The examples `offset .. offset + limit` of this view (all remaining ones when limit is None)."""
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0 or None, got {limit}")
-        stop = None if limit is None else offset + limit
-        return Task(self.name, self._examples[offset:stop], self.grader, self.max_new_tokens)
-
-    def evaluate(self, example: Example, completion: str) -> Grade:
-        """Extracts the final answer from `completion` (boxed; for the numeric grader, GSM8K's
-        flexible fallback) and grades it against `example.answer`."""
-        extracted = (
-            extract_final_number(completion) if self.grader == "numeric" else extract_boxed(completion)
-        )
-        return Grade(correct=GRADERS[self.grader](extracted, example.answer), extracted=extracted)
 
 
 def examples_from_rows(rows: Sequence[dict[str, object]], source: str) -> list[Example]:
@@ -143,8 +90,6 @@ def load_task(spec: str) -> Task:
     if spec in BUILTIN_TASKS:
         return load_builtin(spec)
     if spec.startswith("hf:"):
-        from epikv.eval.hub import load_hub_task
-
         return load_hub_task(spec)
     path = Path(spec)
     if path.suffix == ".jsonl" or path.exists():

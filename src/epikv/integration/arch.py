@@ -68,12 +68,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def model_info(model: nn.Module) -> ModelInfo:
+    from epikv.models.identity import model_identity
+
     config = text_config(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    identity = getattr(model, "epikv_identity", None) or getattr(config, "_name_or_path", "") or "unknown"
     return ModelInfo(
-        identity=str(identity),
+        identity=model_identity(model),
         num_layers=config.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,

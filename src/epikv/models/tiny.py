@@ -1,0 +1,87 @@
+"""Tiny random-weight causal LMs: the tests' models and the benchmarks' ``random:`` presets.
+
+Owns the one shape they share (4 layers, 4 query heads over 2 KV heads, hidden 64, vocabulary 97:
+small enough for a CPU test, GQA like the real models) and building a model with seeded random
+weights from a config. Knows no caller: each passes its own overrides and identity.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from epikv.models.identity import set_identity
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+"""Config values every tiny model starts from (any of them can be overridden)."""
+
+# Qwen2's config enables a sliding window unless told not to, and the budgeted cache refuses one.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen2": {"use_sliding_window": False}}
+
+
+def tiny_spec(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """The tiny config as plain values, ``model_type`` included (what ``AutoConfig.for_model`` takes)."""
+    return {"model_type": arch, **TINY_SHAPE, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
+
+
+def config_from_spec(spec: dict[str, Any]) -> PretrainedConfig:
+    """A transformers config from plain values with a ``model_type`` key, using sdpa attention."""
+    from transformers import AutoConfig
+
+    values = dict(spec)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_config(arch: str = "llama", **overrides: Any) -> PretrainedConfig:
+    """The tiny config of ``arch`` (any transformers ``model_type``), with ``overrides`` applied."""
+    return config_from_spec(tiny_spec(arch, **overrides))
+
+
+def random_weights(
+    config: PretrainedConfig,
+    seed: int = 0,
+    *,
+    identity: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> PreTrainedModel:
+    """A causal LM of ``config`` with weights drawn after ``torch.manual_seed(seed)``, in eval mode.
+
+    ``identity`` names it for :func:`epikv.models.model_identity` (and is saved with its config);
+    ``None`` leaves it unnamed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if identity is not None:
+        set_identity(model, identity)
+    return model.eval()
+
+
+def tiny_model(
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    identity: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A tiny random-weight model: :func:`tiny_config` built by :func:`random_weights`."""
+    return random_weights(tiny_config(arch, **overrides), seed, identity=identity, dtype=dtype, device=device)
