@@ -15,89 +15,19 @@ signals (:meth:`end_step`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.functional import pad
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
+from epikv.cache.layer import BudgetedLayer, left_pad, rewrite_token_rows
+from epikv.cache.view import CacheView, SequenceStats
 from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import cat_rows, take_rows
-from epikv.selection import gather_slots, gather_tokens, protected_slots, select_keep
+from epikv.selection import Selection, gather_tokens, protected_slots, select_keep
 from epikv.spec import CacheSpec
 
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class BudgetedLayer(DynamicLayer):
-    """A growing cache layer that also records the true position of every slot, (B, Hp, L) int32,
-    where Hp is 1 unless the policy selects per head (then heads hold different tokens)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.positions: torch.Tensor | None = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        positions = kwargs.pop("positions", None)
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        if positions is not None:
-            new = positions[:, None, :]
-            if self.positions is not None:
-                new = torch.cat([self.positions, new.expand(-1, self.positions.shape[1], -1)], dim=-1)
-            self.positions = new
-        return keys, values
-
-    def compact(self, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the slots ``index`` (B, 1 or H, k); ``valid`` (B, k) marks holes as False."""
-        self.keys = gather_slots(self.keys, index)
-        self.values = gather_slots(self.values, index)
-        pos = self.positions.expand(-1, index.shape[1], -1).gather(-1, index.to(torch.long))
-        self.positions = pos.masked_fill(~valid[:, None, :], -1)
-
-    # -- rows (continuous batching) -------------------------------------------------------------
-    def take_rows(self, index: torch.Tensor, trim: int) -> None:
-        """Keep rows ``index`` and drop the first ``trim`` slots (holes in every kept row)."""
-        self.keys = self.keys[index, :, trim:]
-        self.values = self.values[index, :, trim:]
-        self.positions = self.positions[index, :, trim:]
-
-    def append_rows(self, other: BudgetedLayer) -> None:
-        """Add ``other``'s rows after these, left-padding the shorter side with holes."""
-        length = max(self.keys.shape[2], other.keys.shape[2])
-        parts = [_left_pad_layer(layer, length) for layer in (self, other)]
-        self.keys = torch.cat([p[0] for p in parts])
-        self.values = torch.cat([p[1] for p in parts])
-        self.positions = torch.cat([p[2] for p in parts])
-
-    def reset(self) -> None:
-        super().reset()
-        self.positions = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ValueError("beam search is not supported with a budgeted cache (its rows evict independently)")
-
-
-def _left_pad_layer(layer: BudgetedLayer, length: int) -> tuple[torch.Tensor, ...]:
-    n = length - layer.keys.shape[2]
-    if n == 0:
-        return layer.keys, layer.values, layer.positions
-    return (
-        pad(layer.keys, (0, 0, n, 0)),
-        pad(layer.values, (0, 0, n, 0)),
-        pad(layer.positions, (n, 0), value=-1),
-    )
-
-
-@dataclass
-class SequenceStats:
-    """What the cache did to one sequence."""
-
-    prompt_tokens: int
-    tokens_seen: int
-    peak_cache_tokens: int
-    final_cache_tokens: int
-    evictions: int
 
 
 class BudgetedCache(Cache):
@@ -203,44 +133,79 @@ class BudgetedCache(Cache):
     # -- compaction ----------------------------------------------------------------------------
     def compact(self, rows: Sequence[int] | None = None) -> None:
         """Score, select and gather ``rows`` (default: every row with a budget): the only place
-        tokens leave the cache. Other rows keep every slot; each budget among ``rows`` is scored
-        in one call, so a policy always sees one K."""
-        rows = [r for r, k in enumerate(self.budgets) if k is not None] if rows is None else list(rows)
+        tokens leave the cache. Each budget among ``rows`` is scored in one call, so a policy always
+        sees one K. Other rows are not touched: when only some rows compact, theirs are rewritten
+        in place (kept slots at the end, holes before them), so the cost follows the rows compacted."""
+        rows = (
+            sorted(r for r, k in enumerate(self.budgets) if k is not None) if rows is None else sorted(rows)
+        )
         if not rows:
             return
-        full: torch.Tensor | None = None
-        for budget in sorted({self.budgets[r] for r in rows}):
-            group = [r for r in rows if self.budgets[r] == budget]
-            scores = self._score(group, budget)
-            if full is None:
-                g, _, h, length = scores.shape
-                full = scores.new_full((g, self.batch_size, h, length), float("inf"))
-            full[:, group] = scores.float()
-        chosen = set(rows)
-        keep = [k if r in chosen else h for r, (k, h) in enumerate(zip(self.budgets, self.held, strict=True))]
-        recent = [self.policy.recent_window(k) if r in chosen else 0 for r, k in enumerate(self.budgets)]
-        device = self.valid.device
+        groups = {
+            k: [r for r in rows if self.budgets[r] == k] for k in sorted({self.budgets[r] for r in rows})
+        }
+        scores = torch.cat([self._score(group, k) for k, group in groups.items()], dim=1)
+        order = [r for group in groups.values() for r in group]
+        identity = order == list(range(self.batch_size))
+        index = torch.tensor(order, device=self.valid.device)
+
+        def pick(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            return x if identity else x.index_select(dim, index)
+
+        budgets = [self.budgets[r] for r in order]
+        recent = torch.tensor([self.policy.recent_window(k) for k in budgets], device=self.valid.device)
         protected = protected_slots(
-            self._positions_for(full),
-            self.prompt_len,
-            self.seen,
+            pick(self._positions_for(scores), 1),
+            pick(self.prompt_len),
+            pick(self.seen),
             protect_prompt=self.policy.protect_prompt,
             n_sink=self.policy.n_sink,
-            recent=torch.tensor(recent, device=device),
+            recent=recent,
         )
-        sel = select_keep(full, protected, self.valid, torch.tensor(keep, device=device))
+        sel = select_keep(
+            scores, protected, pick(self.valid), torch.tensor(budgets, device=self.valid.device)
+        )
+        if len(order) == self.batch_size:
+            self._gather_all(sel, order)
+        else:
+            self._rewrite_rows(sel, index)
+        for r, kept in zip(order, sel.kept.tolist(), strict=True):
+            self.evicted[r] += self.held[r] - kept
+            self.held[r] = kept
+            self.since[r] = 0
+            self.row_compactions[r] += 1
+        self._trim()
+        self.compactions += 1
+
+    def _gather_all(self, sel: Selection, order: list[int]) -> None:
+        """Every row compacts: one gather per tensor (rows may come in budget order: put them back)."""
+        back = sorted(range(len(order)), key=order.__getitem__)
+        if back != list(range(len(order))):
+            sel = Selection(sel.index[:, back], sel.valid[back], sel.kept[back])
         for i, layer in enumerate(self.layers):
             layer.compact(sel.index[i if sel.index.shape[0] > 1 else 0], sel.valid)
         self.buffers = {name: gather_tokens(buf, sel.index) for name, buf in self.buffers.items()}
-        kept = sel.kept.tolist()
-        self.evicted = [e + h - k for e, h, k in zip(self.evicted, self.held, kept, strict=True)]
-        self.held = kept
-        for r in rows:
-            self.since[r] = 0
-            self.row_compactions[r] += 1
         self.valid = sel.valid
-        self.has_holes = min(kept) < max(kept)
-        self.compactions += 1
+
+    def _rewrite_rows(self, sel: Selection, rows: torch.Tensor) -> None:
+        """Some rows compact: their kept slots are written at the end of their own rows."""
+        for i, layer in enumerate(self.layers):
+            layer.rewrite_rows(rows, sel.index[i if sel.index.shape[0] > 1 else 0], sel.valid)
+        for name, buf in self.buffers.items():
+            self.buffers[name] = rewrite_token_rows(buf, rows, sel.index)
+        length, k = self.valid.shape[-1], sel.valid.shape[-1]
+        self.valid[rows] = torch.nn.functional.pad(sel.valid, (length - k, 0), value=False)
+
+    def _trim(self) -> None:
+        """Drop the hole prefix every row shares (rows hold their real slots at the end)."""
+        length, longest = self.valid.shape[-1], max(self.held)
+        if longest < length:
+            cut = length - longest
+            for layer in self.layers:
+                layer.take_rows(None, cut)
+            self.valid = self.valid[:, cut:]
+            self.buffers = {name: buf[..., cut:] for name, buf in self.buffers.items()}
+        self.has_holes = min(self.held) < longest
 
     def _score(self, rows: list[int], budget: int) -> torch.Tensor:
         """The policy's scores for ``rows`` at one budget, (G, len(rows), H, L). The policy sees those
@@ -295,10 +260,10 @@ class BudgetedCache(Cache):
         length = max(self.valid.shape[-1], other.valid.shape[-1])
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.append_rows(theirs)
-        self.valid = torch.cat([_left_pad(c.valid, length, False) for c in (self, other)])
+        self.valid = torch.cat([left_pad(c.valid, length, False) for c in (self, other)])
         names = self.buffers.keys() | other.buffers.keys()
         self.buffers = {
-            name: torch.cat([_left_pad(c.buffers[name], length, 0) for c in (self, other)], dim=1)
+            name: torch.cat([left_pad(c.buffers[name], length, 0) for c in (self, other)], dim=1)
             for name in names
         }
         self.prompt_len = torch.cat([self.prompt_len, other.prompt_len])
@@ -344,40 +309,3 @@ class BudgetedCache(Cache):
         seen = self.seen.tolist()
         rows = zip(self.prompt_len.tolist(), seen, self.peak, self.held, self.evicted, strict=True)
         return [SequenceStats(*row) for row in rows]
-
-
-def _left_pad(x: torch.Tensor, length: int, value: Any) -> torch.Tensor:
-    """Left-pad the last dim of x to ``length`` with ``value`` (holes at the front, as padding)."""
-    return pad(x, (length - x.shape[-1], 0), value=value)
-
-
-class CacheView:
-    """The read-only view policies score from (implements ``epikv.policies.base.CacheView``): some
-    rows of the cache (all when ``rows`` is None) at one budget."""
-
-    def __init__(self, cache: BudgetedCache, rows: list[int] | None, budget: int) -> None:
-        self._cache = cache
-        self._rows = None if rows is None else torch.tensor(rows, device=cache.valid.device)
-        self.budget = budget
-        self.num_layers = len(cache.layers)
-        self.prompt_len = self._pick(cache.prompt_len)
-        self.seen = self._pick(cache.seen)
-        self.valid = self._pick(cache.valid)
-        self.buffers = {name: self._pick(buf, dim=1) for name, buf in cache.buffers.items()}
-
-    def _pick(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return x if self._rows is None else x.index_select(dim, self._rows)
-
-    def keys(self, layer: int) -> torch.Tensor:
-        return self._pick(self._cache.layers[layer].keys)
-
-    def values(self, layer: int) -> torch.Tensor:
-        return self._pick(self._cache.layers[layer].values)
-
-    def positions(self, layer: int = 0) -> torch.Tensor:
-        return self._pick(self._cache.layers[layer].positions).long()
-
-    def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._cache.project_queries is None:
-            raise RuntimeError("this cache is not attached to a model; queries cannot be recomputed")
-        return self._cache.project_queries(layer, hidden, positions)
