@@ -26,6 +26,31 @@ def tiny_llama() -> torch.nn.Module:
     return make_tiny("llama")
 
 
+SERVE_MODEL_NAME = "tiny-serve"
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    from epikv.models import load_model
+
+    return load_model()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_model(embedded_tokenizer) -> torch.nn.Module:
+    """Random weights over the embedded tokenizer's vocabulary, so text round-trips as with a real model."""
+    return build_tiny_model("llama", 3, identity=SERVE_MODEL_NAME, vocab_size=len(embedded_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def serve_model_folder(tmp_path_factory, serve_model, embedded_tokenizer):
+    """That model and tokenizer saved as a local model folder (what `--model PATH` loads)."""
+    folder = tmp_path_factory.mktemp("models") / SERVE_MODEL_NAME
+    serve_model.save_pretrained(folder)
+    embedded_tokenizer.save_pretrained(folder)
+    return folder
+
+
 # Bands for the 4-layer tiny models (Band A = 1, Band B = 2): every banded policy needs them.
 TINY_BANDS = {"band_a": 1, "band_b": 2}
 

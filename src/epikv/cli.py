@@ -39,6 +39,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -51,6 +52,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_seconds = time.perf_counter() - started
@@ -155,6 +160,7 @@ _EXTENSIONS: list[tuple[str, list[str]]] = [
     ("epikv.eval.cli", ["add_eval_parser", "add_report_parser"]),
     ("epikv.bench.cli", ["add_bench_parser"]),
     ("epikv.calibrate.cli", ["add_calibrate_parser"]),
+    ("epikv.serve.cli", ["add_serve_parser"]),
 ]
 
 

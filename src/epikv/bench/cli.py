@@ -16,7 +16,7 @@ from typing import Any
 
 from epikv.bench import io
 
-KINDS = ("memory", "speed", "fidelity", "capacity", "peer")
+KINDS = ("memory", "speed", "fidelity", "capacity", "peer", "serve")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -65,6 +65,15 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--ours": ("ours", _names, "our policies to run against kvpress"),
     "--venv": ("venv", str, "kvpress virtual environment folder (created if missing)"),
     "--torch-spec": ("torch_spec", str, "torch requirement installed there (default: our version)"),
+    "--concurrency": ("concurrency", _ints, "comma-separated numbers of concurrent clients"),
+    "--max-tokens": ("max_tokens", int, "new tokens per request (EOS ignored)"),
+    "--rounds": ("rounds", int, "requests each client sends per concurrency level"),
+    "--pool-requests": (
+        "pool_requests",
+        int,
+        "capacity run: KV pool = this many full-cache requests (0: skip)",
+    ),
+    "--capacity-requests": ("capacity_requests", int, "capacity run: requests sent at once"),
 }
 _SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
 

@@ -58,17 +58,29 @@ class Scheduler(Generic[T]):
             raise ValueError(f"the request needs {slots} cache slots but the whole KV pool holds {pool}")
 
     def enqueue(self, item: T, slots: int) -> None:
+        """Queue an item; QueueFull when more than ``max_waiting`` items would have to wait (items
+        that will be admitted at the next step do not count)."""
         self.check(slots)
         limit = self.limits.max_waiting
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting (the queue holds {limit})")
+        if limit is not None and self._would_wait([*(s for _, s in self.waiting), slots]) > limit:
+            raise QueueFull(f"{limit} requests are already waiting for KV slots (the queue's limit)")
         self.waiting.append((item, slots))
 
     def can_admit(self, slots: int) -> bool:
+        return self._fits(self.reserved_slots + slots, len(self.reserved) + 1)
+
+    def _fits(self, slots: int, rows: int) -> bool:
         pool, batch = self.limits.kv_pool, self.limits.max_batch
-        if batch is not None and len(self.reserved) >= batch:
-            return False
-        return pool is None or self.reserved_slots + slots <= pool
+        return (batch is None or rows <= batch) and (pool is None or slots <= pool)
+
+    def _would_wait(self, queue: list[int]) -> int:
+        """How many of ``queue`` (slots, in order) would still wait once the head ones are admitted."""
+        slots, rows = self.reserved_slots, len(self.reserved)
+        for index, need in enumerate(queue):
+            if not self._fits(slots + need, rows + 1):
+                return len(queue) - index  # first come, first served: the rest wait behind it
+            slots, rows = slots + need, rows + 1
+        return 0
 
     def admit(self, key: int, slots: int) -> None:
         if not self.can_admit(slots):

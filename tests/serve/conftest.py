@@ -1,0 +1,81 @@
+"""A live server on 127.0.0.1 (a free port) over a tiny random model with the embedded tokenizer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+from epikv.engine import SchedulerLimits
+from epikv.integration import build_spec
+from tests.conftest import SERVE_MODEL_NAME as MODEL_NAME
+
+BANDS = {"band_a": 1, "band_b": 2}
+
+
+@dataclass
+class Live:
+    url: str
+    app: Any
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def worker(self) -> Any:
+        return self.app.state.worker
+
+    def client(self, **kwargs: Any) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(
+    model: Any, tokenizer: Any, spec: Any, limits: SchedulerLimits | None, max_tokens: int = 256
+) -> Live:
+    import uvicorn
+
+    from epikv.serve import build_app
+
+    app = build_app(model, tokenizer, spec, limits, MODEL_NAME, max_tokens)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return Live(f"http://127.0.0.1:{port}", app, server, thread)
+
+
+def stop(live: Live) -> None:
+    live.server.should_exit = True
+    live.thread.join(timeout=15)
+    assert not live.thread.is_alive(), "server did not stop"
+
+
+@pytest.fixture(scope="module")
+def spec(serve_model) -> Any:
+    return build_spec(serve_model, "epikv", 64, interval=8, params=BANDS)
+
+
+@pytest.fixture(scope="module")
+def live(serve_model, embedded_tokenizer, spec) -> Iterator[Live]:
+    running = start(serve_model, embedded_tokenizer, spec, SchedulerLimits(max_waiting=16))
+    yield running
+    stop(running)
