@@ -7,6 +7,7 @@ This module parses arguments and prints; the work happens in the library. Errors
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -61,6 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     load_seconds = time.perf_counter() - started
     spec = build_spec(model, args.policy, budget, interval=args.interval, params=args.param)
     policy = spec.policy
+    print(f"[epikv] {spec.describe()}", file=sys.stderr)  # which bands, from which profile (issue 12)
     streamer = None if args.json else _Streamer(tokenizer)
     result = generate(
         model,
@@ -79,9 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "budget": spec.budget,
         "interval": spec.interval,
         "policy": policy.config(),
-        "bands": None
-        if spec.bands is None
-        else f"A={spec.bands.band_a} B={spec.bands.band_b} ({spec.bands.origin})",
+        "bands": None if spec.bands is None else dataclasses.asdict(spec.bands),
         "load_seconds": load_seconds,
     }
     del report["token_ids"]
@@ -160,6 +160,7 @@ _EXTENSIONS: list[tuple[str, list[str]]] = [
     ("epikv.eval.cli", ["add_eval_parser", "add_report_parser"]),
     ("epikv.bench.cli", ["add_bench_parser"]),
     ("epikv.calibrate.cli", ["add_calibrate_parser"]),
+    ("epikv.profile_cli", ["add_profile_parser"]),
     ("epikv.serve.cli", ["add_serve_parser"]),
 ]
 

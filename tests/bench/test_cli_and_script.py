@@ -25,6 +25,8 @@ def test_every_kind_has_a_command():
 
 def test_plot_command_redraws_from_the_json(tmp_path, capsys):
     assert main(["bench", "capacity", "--quick", "--out", str(tmp_path)]) == 0
+    assert "[epikv] bench capacity: no cache ran" in capsys.readouterr().err
+    assert io.read_result(tmp_path / "capacity.json")["config"]["cache_specs"] == []
     (tmp_path / "capacity.png").unlink()
     assert main(["bench", "plot", str(tmp_path / "capacity.json"), "--png", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 5000

@@ -58,6 +58,9 @@ def test_document_skips_budgets_that_cannot_hold_the_prompt(fidelity_doc):
     assert set(rows) == {(p, k) for p in ("epikv-flat", "streaming") for k in (40, 56)}
     assert rows[("epikv-flat", 40)]["skipped"] == 2  # ~45-token prompts + recent window > 40
     assert rows[("streaming", 40)]["skipped"] == 0  # streaming protects only its sinks
+    specs = fidelity_doc["config"]["cache_specs"]
+    assert [(s["policy"]["name"], s["budget"]) for s in specs] == sorted(rows)
+    assert specs[0]["bands"]["origin"].startswith("scaled from Llama-8B") and specs[0]["describe"]
     for row in rows.values():
         if row["prompts"]:
             assert 0.0 <= row["agreement"] <= 1.0 and row["kl"] >= 0.0 and row["loop_rate"] is not None

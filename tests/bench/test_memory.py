@@ -18,6 +18,9 @@ def test_attention_outputs_cost_more_than_sdpa(tiny_pair):
     # 4 layers x 4 heads x 512^2 float32 attention maps alone are 16 MiB
     assert points["attention_outputs"]["peak_bytes"] > points["sdpa"]["peak_bytes"] + 12 * 2**20
     assert model.config._attn_implementation == "sdpa"  # the eager switch was undone
+    spec = points["epikv_capture"]["cache_spec"]  # the capture's bands and where they came from
+    assert spec["policy"]["name"] == "epikv-flat" and spec["bands"]["origin"].startswith("scaled")
+    assert "cache_spec" not in points["sdpa"]
 
 
 def test_sweep_stops_at_first_failure_and_summarises():
@@ -26,13 +29,14 @@ def test_sweep_stops_at_first_failure_and_summarises():
         if length > limit:
             return {"path": path, "length": length, "status": "oom"}
         extra = 10 if path == "epikv_capture" else 0
-        return {
+        point = {
             "path": path,
             "length": length,
             "status": "ok",
             "peak_bytes": 100 + extra,
             "peak_total_bytes": 1000 + extra,
         }
+        return {**point, "cache_spec": {"describe": "policy=epikv-flat"}} if extra else point
 
     config = MemoryConfig(min_length=128, max_length=1024)
     doc = memory.run_memory(config, runner=fake)
@@ -42,6 +46,8 @@ def test_sweep_stops_at_first_failure_and_summarises():
     assert summary["paths"]["attention_outputs"]["max_ok_length"] == 256
     assert summary["feasible_ratio"]["sdpa/attention_outputs"] == {"ratio": 4.0, "lower_bound": True}
     assert summary["capture_overhead"][0] == {"length": 128, "resident_pct": 10.0, "total_pct": 1.0}
+    assert doc["config"]["cache_specs"] == [{"describe": "policy=epikv-flat"}]  # once, not per point
+    assert not any("cache_spec" in p for p in doc["results"]["points"])
 
 
 def test_worker_output_parsing():

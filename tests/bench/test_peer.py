@@ -125,3 +125,6 @@ def test_ours_only_run_needs_no_kvpress(tiny_pair, short_prompts, capsys):
     assert rows[0]["kept_set"]["all_match"] is True
     assert ["--attention", "eager"] == commands[1][commands[1].index("--attention") :][:2]
     assert all(r["peak_cache_tokens"] <= 48 + 8 for r in rows)
+    assert all("cache_spec" not in r for r in rows)  # the workers' specs went into the config
+    described = [s["describe"] for s in doc["config"]["cache_specs"]]
+    assert described == ["policy=streaming budget=48 interval=8", "policy=h2o budget=48 interval=8"]

@@ -48,5 +48,7 @@ def test_bench_serve_on_a_tiny_model(serve_model_folder, tmp_path):
     assert capacity["policies"]["streaming"]["max_running"] == pool // 129 >= 2
     assert capacity["policies"]["full"]["max_running"] == 1
     assert "capacity_vs_full_tokens_per_s>=3" in results["targets"]
+    described = [s["describe"] for s in document["config"]["cache_specs"]]  # from the servers' logs
+    assert described == ["policy=full budget=none interval=1", "policy=streaming budget=128 interval=1"]
     path = io.write_result(document, tmp_path)
     assert plot_serve(path).stat().st_size > 5000

@@ -46,9 +46,16 @@ def test_document_reports_each_policy(speed_doc):
     assert results["policies"]["full"]["peak_cache_tokens"] == results["prompt_tokens"] + 60
     assert results["ratios"]["vs_full"]["full"] == 1.0
     assert "vs_h2o" not in results["ratios"]
+    specs = {s["policy"]["name"]: s for s in speed_doc["config"]["cache_specs"]}  # each recorded once
+    assert len(speed_doc["config"]["cache_specs"]) == 3 and set(specs) == {"full", "epikv-flat", "streaming"}
+    bands = specs["epikv-flat"]["bands"]
+    assert bands["origin"].startswith("scaled from Llama-8B") and specs["streaming"]["bands"] is None
+    assert specs["epikv-flat"]["describe"].endswith(
+        f"bands A={bands['band_a']} B={bands['band_b']} ({bands['origin']})"
+    )
 
 
-def test_plot_and_cli(speed_doc, tmp_path, short_prompts):
+def test_plot_and_cli(speed_doc, tmp_path, short_prompts, capsys):
     path = io.write_result(speed_doc, tmp_path)
     assert speed.plot_speed(path).stat().st_size > 5000
     out = tmp_path / "cli"
@@ -76,6 +83,7 @@ def test_plot_and_cli(speed_doc, tmp_path, short_prompts):
     assert code == 0
     data = io.read_result(out / "speed.json", "speed")
     assert data["config"]["repeats"] == 1 and data["config"]["budget"] == 48  # quick preset + overrides
+    assert "[epikv] policy=streaming budget=48 interval=1" in capsys.readouterr().err.splitlines()
     assert (out / "speed.png").exists()
 
 

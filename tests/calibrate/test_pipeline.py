@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -21,7 +21,13 @@ from epikv.calibrate.pipeline import (
 from epikv.calibrate.plot import plot_rho
 from epikv.calibrate.traces import Trace, load_traces, save_traces
 from epikv.models import set_identity
-from epikv.profiles import find_profile, scaled_profile
+from epikv.profiles import (
+    find_profile,
+    install_profile,
+    scaled_profile,
+    user_profile_dir,
+    weak_signal_warnings,
+)
 from tests.conftest import make_tiny
 
 
@@ -31,6 +37,25 @@ def _traces(n: int) -> list[Trace]:
     for i in range(n):
         prompt, output = rng.integers(3, 97, 12).tolist(), rng.integers(3, 97, 60).tolist()
         out.append(Trace(f"p{i}", prompt, output, True, 12 + 48, "tail", str(i), correct=i % 2 == 0))
+    return out
+
+
+def reusable_run(out):
+    """A run folder for "tiny/calib" (4 layers) that `--reuse` accepts, with random signals: what a
+    model run leaves behind, made without a model."""
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True)
+    config = CalibrationConfig(dataset="given", keep="all", bootstrap=20, labels=LabelSettings(window=8))
+    (out / "config.json").write_text(json.dumps(asdict(config)))
+    traces = _traces(4)
+    save_traces(traces, out / "traces.jsonl")
+    tokens = 4 * 48
+    np.savez_compressed(
+        out / "tokens.npz", signal_names=np.array(["raw", "mean", "zscore"]), model=np.array("tiny/calib"),
+        signals=rng.normal(size=(3, 4, tokens)), loglik=rng.normal(size=tokens),
+        groups=np.repeat(np.arange(4), 48),
+    )  # fmt: skip
+    (out / "windows.jsonl").write_text("".join(json.dumps({"windows": [[0, 8]]}) + "\n" for _ in traces))
     return out
 
 
@@ -65,7 +90,11 @@ def test_run_writes_everything_and_epikv_finds_the_profile(tmp_path, monkeypatch
     assert rho["n_problems"] == 4 and rho["bootstrap"]["unit"] == "problem"
     assert len(rho["labels"]["flip"]["signals"]["raw"]["rho_within"]) == 4
     assert set(rho["score"]["flip"]) == {"chosen", "scaled_default"}
+    assert result.path == out / "tiny__calib.json" and not user_profile_dir().exists()
+    assert find_profile("tiny/calib", 4).method.startswith("scaled"), "calibration changed the bands in use"
+    install_profile(result.path, force=True)  # four random traces: a weak signal
     found = find_profile("tiny/calib", 4)
+    assert found.details.pop("installed")["forced"] == bool(weak_signal_warnings(found))
     assert found == result.profile
     assert (found.band_a, found.band_b) == (rho["choice"]["band_a"], rho["choice"]["band_b"])
     details = found.details

@@ -11,7 +11,13 @@ from epikv.calibrate.cli import QUICK, add_calibrate_parser, config_from_args
 from epikv.calibrate.profile import build_profile, write_profile
 from epikv.calibrate.stats import choose_bands
 from epikv.policies.base import ModelInfo
-from epikv.profiles import find_profile, load_profile_file, profile_filename, user_profile_dir
+from epikv.profiles import (
+    find_profile,
+    install_profile,
+    load_profile_file,
+    profile_filename,
+    user_profile_dir,
+)
 from epikv.spec import CacheSpec
 
 
@@ -21,25 +27,26 @@ def _profile(model: str = "org/model-x", layers: int = 6):
     return build_profile(model, layers, choice, "loglik", "zscore", {"dataset": "gsm8k", "n_problems": 3})
 
 
-def test_round_trip_and_lookup(tmp_path, monkeypatch):
+def test_round_trip_and_lookup_once_installed(tmp_path, monkeypatch):
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path / "cache"))
     profile = _profile()
     assert (profile.band_a, profile.band_b) == (1, 4)
     written = write_profile(profile, tmp_path / "run")
-    assert written == [tmp_path / "run" / "org__model-x.json", user_profile_dir() / "org__model-x.json"]
-    assert load_profile_file(written[0]) == profile
+    assert written == tmp_path / "run" / "org__model-x.json"
+    assert load_profile_file(written) == profile
+    assert not user_profile_dir().exists(), "writing a profile must not make it active"
+    assert find_profile("org/model-x", 6).method.startswith("scaled")
+    install_profile(written)
     found = find_profile("org/model-x", 6)
-    assert found == profile
+    assert (found.band_a, found.band_b, found.method) == (profile.band_a, profile.band_b, profile.method)
+    assert found.details["installed"] == {
+        "from": str(written),
+        "forced": False,
+        "date": found.details["date"],
+    }
     assert found.details["band_a"] == {"layer": 1, "rho": 0.3, "ci": [0.25, 0.3 + 0.05], "near": []}
     assert found.details["dataset"] == "gsm8k" and found.details["label"] == "loglik"
     assert found.method.startswith("epikv calibrate")
-
-
-def test_no_install_leaves_the_user_folder_alone(tmp_path, monkeypatch):
-    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path / "cache"))
-    write_profile(_profile("org/other"), tmp_path / "run", install=False)
-    assert not (user_profile_dir() / "org__other.json").exists()
-    assert find_profile("org/other", 6).method.startswith("scaled")
 
 
 def test_shipped_profile_for_the_embedded_model(tmp_path, monkeypatch):

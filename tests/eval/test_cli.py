@@ -108,6 +108,35 @@ def test_eval_end_to_end_on_three_gsm8k_problems(
     assert len(list((tmp_path / "plots").glob("*.png"))) == 3
 
 
+def test_eval_says_and_records_which_bands_each_run_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from epikv.policies.base import ModelInfo
+    from epikv.spec import CacheSpec
+
+    monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path / "cache"))  # no user profile: the shipped one
+    smol = ModelInfo("smollm2-135m", 30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)
+    engine = RecordingEngine()
+
+    def with_spec(policy: str, budget: int | None, interval: int | None, params: dict[str, Any]) -> Any:
+        generator = engine(policy, budget, interval, params)
+        generator.spec = CacheSpec.build(smol, policy, budget, interval=interval)  # as make_generator's
+        return generator
+
+    argv = ["eval", "--dataset", "gsm8k", "--policy", "epikv-flat", "--policy", "streaming",
+            "--budget", "256", "--limit", "3", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.eval_command(parser().parse_args(argv), engine=with_spec) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[epikv]")]
+    assert lines == [
+        "[epikv] policy=epikv-flat budget=256 interval=1 bands A=7 B=26 (shipped profile smollm2-135m.json)",
+        "[epikv] policy=streaming budget=256 interval=1",
+    ]
+    saved = json.loads((tmp_path / "gsm8k" / "epikv-flat" / "K256" / "spec.json").read_text())
+    assert saved["bands"] == {"band_a": 7, "band_b": 26, "origin": "shipped profile smollm2-135m.json"}
+    assert saved["describe"] == lines[0].removeprefix("[epikv] ")
+    assert json.loads((tmp_path / "gsm8k" / "streaming" / "K256" / "spec.json").read_text())["bands"] is None
+
+
 def test_report_prints_the_table_before_plotting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_run(tmp_path, "h2o", 256, [(True, False, 1.0), (False, False, 1.0)])
     blocked = tmp_path / "plots"

@@ -180,10 +180,12 @@ def capacity_table(shape: KVShape, config: CapacityConfig) -> dict[str, Any]:
     }
 
 
-def run_capacity(config: CapacityConfig) -> dict[str, Any]:
-    """The capacity document for ``config`` (see :mod:`epikv.bench.io` for the envelope)."""
+def run_capacity(config: CapacityConfig, reporter: io.Reporter | None = None) -> dict[str, Any]:
+    """The capacity document for ``config`` (see :mod:`epikv.bench.io` for the envelope). Arithmetic
+    only: no cache runs, so it records no cache specs."""
+    reporter = reporter or io.Reporter()
     shape = shape_from_config(load_config(config.model))
-    return io.make_document("capacity", config, capacity_table(shape, config))
+    return io.make_document("capacity", config, capacity_table(shape, config), specs=reporter.specs)
 
 
 def plot_capacity(json_path: str | Path, png: str | Path | None = None) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,11 +128,18 @@ def build_config(kind: str, args: argparse.Namespace) -> Any:
 def cmd_bench(args: argparse.Namespace) -> int:
     config = build_config(args.kind, args)
     _, _, run, plot = _kind(args.kind)
-    document = run(config)
+    document = run(config, reporter=io.Reporter(announce=_announce))
+    if not document["config"].get("cache_specs"):
+        _announce(f"bench {args.kind}: no cache ran, so no policy read bands from a profile")
     path = io.write_result(document, args.out)
     print(path)
     print(plot(path))
     return 0
+
+
+def _announce(line: str) -> None:
+    """One line on stderr per cache spec a benchmark runs: policy, budget, bands and their profile."""
+    print(f"[epikv] {line}", file=sys.stderr, flush=True)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

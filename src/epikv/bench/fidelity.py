@@ -210,12 +210,16 @@ def _cells(
 
 
 def run_fidelity(
-    config: FidelityConfig, model: torch.nn.Module | None = None, tokenizer: Any = None
+    config: FidelityConfig,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    reporter: io.Reporter | None = None,
 ) -> dict[str, Any]:
     """Every prompt x policy x budget, ``batch_size`` prompts at a time; returns the document."""
     from epikv.bench.speed import available_policies
     from epikv.generation import eos_ids
 
+    reporter = reporter or io.Reporter()
     io.set_threads(config.threads)
     if model is None:
         model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
@@ -229,6 +233,8 @@ def run_fidelity(
         for policy in policies
         for budget in config.budgets
     }
+    for spec in specs.values():
+        reporter.uses(spec)
     prompts = []
     for lo in range(0, len(texts), config.batch_size):
         ids = [
@@ -257,7 +263,7 @@ def run_fidelity(
         "prompts": prompts,
         "summary": summarize_fidelity(prompts, policies, config.budgets),
     }
-    return io.make_document("fidelity", config, results, config.device)
+    return io.make_document("fidelity", config, results, config.device, reporter.specs)
 
 
 def summarize_fidelity(

@@ -5,6 +5,8 @@ A benchmark result is one JSON document::
     {"kind": "speed", "schema": 1, "created": "...", "config": {...}, "machine": {...}, "results": {...}}
 
 written by :func:`write_result` and read back by :func:`read_result`; plots read only that file.
+``config.cache_specs`` records every cache spec the run used (policy, budget, bands and the profile
+they came from), gathered while it runs by a :class:`Reporter`, which also announces each one.
 This module also owns the process-level memory probes (peak resident set on Linux, peak allocated
 on CUDA), the named random-weight models that benchmarks and tests can load without a network
 (``random:<preset>``), and the Agg figure factory. It knows no benchmark's figures.
@@ -29,6 +31,8 @@ from epikv.models.tiny import config_from_spec, random_weights, tiny_spec
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from epikv.spec import CacheSpec
 
 SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("kind", "schema", "created", "config", "machine", "results")
@@ -87,12 +91,46 @@ def config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-def make_document(kind: str, config: Any, results: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+def spec_record(spec: CacheSpec) -> dict[str, Any]:
+    """What a result keeps about one cache spec: its line (``describe``) and its resolved config
+    (policy, budget, interval, attention, and the bands with the profile they came from)."""
+    return {"describe": spec.describe(), **json.loads(json.dumps(spec.config()))}
+
+
+class Reporter:
+    """What a benchmark tells the person running it and keeps for its result: every cache spec it
+    runs (recorded once each in ``specs``, and announced once through ``announce``). The default
+    announces nothing and still records."""
+
+    def __init__(self, announce: Callable[[str], None] | None = None) -> None:
+        self.announce = announce
+        self.specs: list[dict[str, Any]] = []
+
+    def uses(self, spec: CacheSpec | dict[str, Any]) -> None:
+        """A spec this run uses: a CacheSpec, or the :func:`spec_record` a subprocess sent back."""
+        record = dict(spec) if isinstance(spec, dict) else spec_record(spec)
+        if record not in self.specs:
+            self.specs.append(record)
+            if self.announce is not None:
+                self.announce(record["describe"])
+
+
+def make_document(
+    kind: str,
+    config: Any,
+    results: dict[str, Any],
+    device: str = "cpu",
+    specs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The result document; ``specs`` (a Reporter's) go into the config as ``cache_specs``."""
+    settings = config_dict(config) if dataclasses.is_dataclass(config) else dict(config)
+    if specs is not None:
+        settings["cache_specs"] = list(specs)
     return {
         "kind": kind,
         "schema": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": config_dict(config) if dataclasses.is_dataclass(config) else dict(config),
+        "config": settings,
         "machine": machine_info(device),
         "results": results,
     }

@@ -79,7 +79,7 @@ QUICK = MemoryConfig(min_length=256, max_length=2048, cap_gb=1.0)
 # --------------------------------------------------------------------------- one point
 
 
-def forward_once(model: torch.nn.Module, path: str, input_ids: torch.Tensor, capture_policy: str) -> Any:
+def forward_once(model: torch.nn.Module, path: str, input_ids: torch.Tensor, capture_policy: Any) -> Any:
     """One prefill forward along ``path``; returns the outputs so they stay alive until measured."""
     from epikv import attach
 
@@ -121,9 +121,15 @@ def measure_point(
         base = io.current_rss()
         source = "VmHWM" if io.reset_peak_rss() else "ru_maxrss"
     point: dict[str, Any] = {"path": path, "length": length, "status": "ok", "source": source}
+    spec: Any = capture_policy
+    if path == "epikv_capture":  # the spec the capture runs, with its bands, for the result's config
+        from epikv.integration import build_spec
+
+        spec = build_spec(model, capture_policy, 1 << 30)
+        point["cache_spec"] = io.spec_record(spec)
     started = time.perf_counter()
     try:
-        out = forward_once(model, path, ids, capture_policy)
+        out = forward_once(model, path, ids, spec)
         io.synchronizer(device)()
         peak = torch.cuda.max_memory_allocated() if cuda else io.peak_rss()
         del out
@@ -191,9 +197,13 @@ def inprocess_runner(model: torch.nn.Module, config: MemoryConfig) -> PointRunne
 
 
 def run_memory(
-    config: MemoryConfig, model: torch.nn.Module | None = None, runner: PointRunner | None = None
+    config: MemoryConfig,
+    model: torch.nn.Module | None = None,
+    runner: PointRunner | None = None,
+    reporter: io.Reporter | None = None,
 ) -> dict[str, Any]:
     """Measure every (path, length) up to each path's first failure; returns the memory document."""
+    reporter = reporter or io.Reporter()
     io.set_threads(config.threads)
     if runner is None:
         in_process = model is not None or torch.device(config.device).type == "cuda"
@@ -208,11 +218,13 @@ def run_memory(
                 points.append({"path": path, "length": length, "status": "skipped"})
                 continue
             point = runner(path, length)
+            if "cache_spec" in point:
+                reporter.uses(point.pop("cache_spec"))
             points.append(point)
             failed = point["status"] != "ok"
     name = io.model_name(model) if model is not None else next((p.get("model") for p in points), None)
     results = {"model": name, "points": points, "summary": summarize_memory(points, config)}
-    return io.make_document("memory", config, results, config.device)
+    return io.make_document("memory", config, results, config.device, reporter.specs)
 
 
 # --------------------------------------------------------------------------- summary and figure

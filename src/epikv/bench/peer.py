@@ -181,11 +181,13 @@ def run_peer(
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     runner: SideRunner | None = None,
+    reporter: io.Reporter | None = None,
 ) -> dict[str, Any]:
     """Set up kvpress, then run every press and every policy of ``config``; the peer document.
 
     ``runner(cmd, what, timeout)`` runs one side's command (default: a fresh process)."""
     run_side_ = runner or run_side
+    reporter = reporter or io.Reporter()
     from epikv.bench.speed import available_policies
 
     python, versions = ensure_peer_env(config) if config.presses else (None, {})
@@ -209,18 +211,16 @@ def run_peer(
             for press in config.presses
         ]
         worker = [sys.executable, "-m", "epikv.bench.peer", "--worker"]
-        rows += [
-            {
+        for policy in ours:
+            command = [*worker, "--policy", policy, "--attention", _attention(config, policy), *args]
+            row = {
                 "side": "epikv",
                 "method": policy,
-                **run_side_(
-                    [*worker, "--policy", policy, "--attention", _attention(config, policy), *args],
-                    f"epikv {policy}",
-                    config.timeout_s,
-                ),
+                **run_side_(command, f"epikv {policy}", config.timeout_s),
             }
-            for policy in ours
-        ]
+            if "cache_spec" in row:  # the worker's spec, with its bands: into the result's config
+                reporter.uses(row.pop("cache_spec"))
+            rows.append(row)
     results = {
         "model": str(config.model or "smollm2-135m"),
         "peer_versions": versions,
@@ -228,7 +228,7 @@ def run_peer(
         "rows": rows,
         "comparison": compare(rows),
     }
-    return io.make_document("peer", config, results)
+    return io.make_document("peer", config, results, specs=reporter.specs)
 
 
 def _attention(config: PeerConfig, policy: str) -> str:
@@ -295,7 +295,10 @@ def worker_main(argv: list[str]) -> int:
     base = io.current_rss()
     io.reset_peak_rss()
 
+    spec: dict[str, Any] = {}
+
     def positions(cache: Any) -> list[int]:
+        spec.update(io.spec_record(cache.spec))
         held = cache.layers[0].positions[0, 0]
         return sorted(int(p) for p in held.tolist() if p >= 0)
 
@@ -308,6 +311,7 @@ def worker_main(argv: list[str]) -> int:
         "peak_bytes": io.peak_rss() - base,
         "final_cache_tokens": [len(trace.extra)],
         "peak_cache_tokens": trace.peak_cache_tokens,
+        "cache_spec": spec,
     }
     if args.policy == "streaming":
         want = expected_streaming(ids.shape[1], args.tokens, args.budget, args.interval, args.n_sink)

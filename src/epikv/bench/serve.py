@@ -86,6 +86,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVE_LINE = "epikv serve: "  # how epikv.serve.cli starts its log line with the spec
+
+
 def start_server(config: ServeBenchConfig, policy: str, kv_pool: int | None, folder: Path) -> Server:
     port = _free_port()
     argv = [sys.executable, "-m", "epikv.cli", "serve", "--policy", policy, "--budget", str(config.budget)]
@@ -119,6 +122,15 @@ def wait_ready(servers: list[Server], timeout: float = 300.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server for {server.policy} did not start in {timeout:.0f} s")
             time.sleep(0.5)
+
+
+def server_spec(server: Server) -> dict[str, Any]:
+    """The spec a started server runs, from the line ``epikv serve`` logs at start (its describe())."""
+    for line in server.log.read_text().splitlines():
+        if SERVE_LINE in line:  # after any progress-bar text on the same line
+            described = line[line.index(SERVE_LINE) + len(SERVE_LINE) :].split(", model ")[0]
+            return {"policy_name": server.policy, "describe": described}
+    return {"policy_name": server.policy, "describe": f"policy={server.policy} (the server logged no spec)"}
 
 
 def stop_servers(servers: list[Server]) -> None:
@@ -249,9 +261,10 @@ def generate_speed(config: ServeBenchConfig, prompt: str) -> float:
     return float(json.loads(done.stdout)["tokens_per_second"])
 
 
-def run_serve(config: ServeBenchConfig) -> dict[str, Any]:
+def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> dict[str, Any]:
     """Sweep concurrency for every policy, then the capacity run; returns the document (the servers'
     logs go to a temporary folder, quoted in the error if one fails)."""
+    reporter = reporter or io.Reporter()
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-serve-"))
     prompts = io.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
     load = [os.getloadavg()[0]]
@@ -259,6 +272,8 @@ def run_serve(config: ServeBenchConfig) -> dict[str, Any]:
     levels: dict[str, dict[str, Any]] = {p: {} for p in config.policies}
     try:
         wait_ready(servers)
+        for server in servers:
+            reporter.uses(server_spec(server))
         for turn, clients in enumerate(config.concurrency):
             shift = turn % len(servers)
             for server in servers[shift:] + servers[:shift]:
@@ -283,7 +298,7 @@ def run_serve(config: ServeBenchConfig) -> dict[str, Any]:
         overhead["ratio"] = overhead["server_tokens_per_s"] / generated
     results = {"levels": levels, "capacity": capacity, "overhead": overhead, "load_average": load}
     results["targets"] = serve_targets(results, config)
-    return io.make_document("serve", config, results)
+    return io.make_document("serve", config, results, specs=reporter.specs)
 
 
 def run_capacity(

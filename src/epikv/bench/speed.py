@@ -178,14 +178,20 @@ def timed_decode(
 
 
 def interleaved(
-    model: torch.nn.Module, input_ids: torch.Tensor, policies: list[str], config: SpeedConfig
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    policies: list[str],
+    config: SpeedConfig,
+    reporter: io.Reporter | None = None,
 ) -> dict[str, DecodeTrace]:
     """All ``policies`` decode side by side, taking turns every ``config.chunk`` steps."""
+    reporter = reporter or io.Reporter()
     runs = {
         p: PolicyDecode(model, input_ids, p, config.budget, config.interval, config.attention)
         for p in policies
     }
     for run in runs.values():
+        reporter.uses(run.engine.spec)
         run.prefill()
     for done in range(0, config.tokens, config.chunk):
         for run in runs.values():
@@ -202,9 +208,13 @@ def available_policies(wanted: tuple[str, ...]) -> tuple[list[str], list[str]]:
 
 
 def run_speed(
-    config: SpeedConfig, model: torch.nn.Module | None = None, tokenizer: Any = None
+    config: SpeedConfig,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    reporter: io.Reporter | None = None,
 ) -> dict[str, Any]:
     """Time every registered policy of ``config``; returns the speed document."""
+    reporter = reporter or io.Reporter()
     io.set_threads(config.threads)
     if model is None:
         model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
@@ -215,7 +225,8 @@ def run_speed(
     traces: dict[str, list[DecodeTrace]] = {p: [] for p in policies}
     for repeat in range(config.repeats):
         shift = repeat % len(policies)
-        for policy, trace in interleaved(model, ids, policies[shift:] + policies[:shift], config).items():
+        order = policies[shift:] + policies[:shift]
+        for policy, trace in interleaved(model, ids, order, config, reporter).items():
             traces[policy].append(trace)
     summaries = {
         p: summarize_policy(t, config.budget, ids.shape[1], config.bin_size) for p, t in traces.items()
@@ -229,7 +240,7 @@ def run_speed(
         "ratios": speed_ratios(summaries),
     }
     results["targets"] = speed_targets(results, config)
-    return io.make_document("speed", config, results, config.device)
+    return io.make_document("speed", config, results, config.device, reporter.specs)
 
 
 def _steady(trace: DecodeTrace) -> slice:

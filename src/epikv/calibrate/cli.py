@@ -1,7 +1,8 @@
-"""``epikv calibrate``: find a model's EpiKV bands and write its profile.
+"""``epikv calibrate``: find a model's EpiKV bands and write its profile into the run folder.
 
 Parses arguments, builds a :class:`~epikv.calibrate.pipeline.CalibrationConfig`, runs it and prints
-a short summary; the work happens in :mod:`epikv.calibrate.pipeline`.
+a short summary, with the command that would make the profile active (``epikv profile use``); the
+work happens in :mod:`epikv.calibrate.pipeline`. It never changes the bands other runs use.
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ from epikv.calibrate.occlusion import FILLERS, LABELS, LabelSettings
 from epikv.calibrate.pipeline import KEEP, CalibrationConfig
 from epikv.calibrate.signals import SIGNALS
 from epikv.calibrate.traces import DEFAULT_MARKERS
+from epikv.profiles import BandProfile, weak_signal_warnings
 
 # --quick: a smoke run that finishes in a few minutes on two CPU cores (see docs/calibration.md).
 QUICK = {"limit": 8, "max_new_tokens": 256, "answer_tokens": 32, "bootstrap": 200}
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="find a model's EpiKV bands by occlusion and write its profile")
+    p = sub.add_parser(
+        "calibrate",
+        help="find a model's EpiKV bands by occlusion; the profile goes to --out (`epikv profile use` "
+        "activates it)",
+    )
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M)")
     p.add_argument(
         "--dataset", default=None, help="gsm8k | math500 | aime2024 | amc2023 | FILE.jsonl | hf:..."
@@ -50,9 +56,8 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--marker", action="append", default=None, help="answer marker phrase (repeatable)")
     p.add_argument("--quick", action="store_true", help="small smoke run: " + json.dumps(QUICK))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--no-install", action="store_true", help="do not write the profile to the user profile folder"
-    )
+    # Kept so that older command lines still run: calibration never installs its profile now.
+    p.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--reuse",
         action="store_true",
@@ -113,7 +118,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    result = run_calibration(config, args.out, install=not args.no_install, reuse=args.reuse)
+    result = run_calibration(config, args.out, reuse=args.reuse)
     c = result.rho["choice"]
     print(
         f"[epikv calibrate] {result.profile.model}: Band A = layer {c['band_a']} (ρ {c['rho_a']:+.3f}, "
@@ -123,9 +128,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     for warning in c["warnings"]:
         print(f"[epikv calibrate] warning: {warning}", file=sys.stderr)
-    for path in result.written:
-        print(f"[epikv calibrate] wrote {path}")
+    print(f"[epikv calibrate] wrote {result.path}")
+    print(activation_hint(result.profile, result.path))
     return 0
+
+
+def activation_hint(profile: BandProfile, path: Path) -> str:
+    """What to do with the profile: it is not in use until ``epikv profile use`` installs it."""
+    hint = (
+        f"[epikv calibrate] not in use: runs on {profile.model} keep their bands until "
+        f"`epikv profile use {path}`"
+    )
+    if weak_signal_warnings(profile):
+        hint += " (its warnings say the signal is weak: `profile use` refuses it without --force)"
+    return hint
 
 
 __all__ = ["DEFAULT_MARKERS", "add_calibrate_parser", "cmd_calibrate", "config_from_args"]

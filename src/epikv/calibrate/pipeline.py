@@ -4,7 +4,8 @@ This module owns the order of the steps, what is kept, and the files of a run fo
 ``config.json``, ``traces.jsonl`` (reusable with ``--traces``), ``windows.jsonl`` (per-trace window
 labels), ``tokens.npz`` (pooled per-token signals and labels; ``--reuse`` redoes the statistics from
 it), ``rho.json`` (every curve with its interval, the choice, counts and timings; the plot reads only
-this), ``rho.png`` and the profile.
+this), ``rho.png`` and the profile. The profile is written there only: making it active is
+``epikv profile use`` (see :mod:`epikv.profiles`).
 """
 
 from __future__ import annotations
@@ -145,9 +146,11 @@ def summarise_traces(traces: list[Trace], used: list[Trace]) -> dict[str, Any]:
 
 @dataclass
 class CalibrationResult:
+    """The profile (written to ``path``, in the run folder only) and the ρ record."""
+
     profile: BandProfile
     rho: dict[str, Any]
-    written: list[Path]
+    path: Path
 
 
 def run_calibration(
@@ -155,7 +158,6 @@ def run_calibration(
     out: Path,
     model: Any = None,
     tokenizer: Any = None,
-    install: bool = True,
     reuse: bool = False,
 ) -> CalibrationResult:
     """Runs every step and writes the run folder; returns the profile and the ρ record.
@@ -200,9 +202,9 @@ def run_calibration(
     profile = build_profile(
         rho["model"], rho["num_layers"], choice, config.labels.kind, config.signal, provenance
     )
-    written = write_profile(profile, out, install)
+    path = write_profile(profile, out)
     _try_plot(out)
-    return CalibrationResult(profile, rho, written)
+    return CalibrationResult(profile, rho, path)
 
 
 def measure(

@@ -1,8 +1,9 @@
-"""Turning a band choice into a model profile that EpiKV finds by itself.
+"""Turning a band choice into a model profile, with the record of how it was chosen.
 
 This module owns the profile's provenance record (what data, labels, signal and statistics chose the
-bands, when, with which epikv) and where it is written: the run's output folder and, unless told
-otherwise, the user profile folder that :func:`epikv.profiles.find_profile` reads first.
+bands, when, with which epikv, and the warnings that make the choice doubtful) and where it is
+written: the run's output folder only. Making it the profile a model uses is the user's explicit
+step (``epikv profile use``, :func:`epikv.profiles.install_profile`), which reads those warnings.
 """
 
 from __future__ import annotations
@@ -51,9 +52,6 @@ def build_profile(
     return BandProfile(model, num_layers, choice.band_a, choice.band_b, method=method, details=details)
 
 
-def write_profile(profile: BandProfile, out: Path, install: bool = True) -> list[Path]:
-    """Writes the profile into ``out`` and, when ``install``, into the user profile folder."""
-    written = [save_profile(profile, out)]
-    if install:
-        written.append(save_profile(profile))
-    return written
+def write_profile(profile: BandProfile, out: Path) -> Path:
+    """Writes the profile into the run folder ``out`` (never into the user profile folder)."""
+    return save_profile(profile, out)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from epikv.eval.config import EvalConfig
 from epikv.eval.plots import draw_all
-from epikv.eval.protocol import EngineFactory, Generator, GeneratorFactory
+from epikv.eval.protocol import EngineFactory, Generator
 from epikv.eval.report import format_table, report
 from epikv.eval.runner import run_eval
 from epikv.eval.runs import load_runs
@@ -138,8 +139,9 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     engine = engine or _default_generator_factory(args.model)
     folders = []
     for config in configs:
-        factory: GeneratorFactory = _bind(engine, config)
+        factory = _Bound(engine, config)
         outcome = run_eval(config, factory)
+        factory.save_spec(outcome.folder)
         folders.append(outcome.folder)
         accuracy = outcome.summary["accuracy"]
         shown = "–" if accuracy is None else f"{accuracy:.3f}"
@@ -148,11 +150,25 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     return 0
 
 
-def _bind(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:
-    def factory(policy: str, budget: int | None) -> Generator:
-        return engine(policy, budget, config.interval, config.policy_params)
+class _Bound:
+    """The engine factory with one config's interval and parameters bound (a GeneratorFactory).
+    When it builds a generator it prints the resolved spec (policy, budget, the bands and which
+    profile they came from) on stderr, and :meth:`save_spec` records it as the run's ``spec.json``."""
 
-    return factory
+    def __init__(self, engine: EngineFactory, config: EvalConfig) -> None:
+        self.engine, self.config, self.spec = engine, config, None
+
+    def __call__(self, policy: str, budget: int | None) -> Generator:
+        generator = self.engine(policy, budget, self.config.interval, self.config.policy_params)
+        self.spec = getattr(generator, "spec", None)
+        if self.spec is not None:
+            print(f"[epikv] {self.spec.describe()}", file=sys.stderr)
+        return generator
+
+    def save_spec(self, folder: Path) -> None:
+        if self.spec is not None:
+            record = {"describe": self.spec.describe(), **self.spec.config()}
+            (folder / "spec.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def report_command(args: argparse.Namespace) -> int:
