@@ -46,6 +46,21 @@ def test_parse_params_by_field_type():
             parse_policy_params(segq, bad)
 
 
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib import metadata
+
+    import epikv
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"epikv {metadata.version('epikv')}"
+        == f"epikv {epikv.__version__}"
+    )
+
+
 def test_unknown_policy_is_a_clear_error(capsys):
     assert main(["generate", "--policy", "epikv-flt", "hello"]) == 2
     assert "did you mean 'epikv-flat'" in capsys.readouterr().err

@@ -109,8 +109,9 @@ def test_calibrate_writes_only_its_run_folder(tmp_path, capsys, empty_cache):
     from tests.calibrate.test_pipeline import reusable_run
 
     out = reusable_run(tmp_path / "run")
-    assert main(["calibrate", "--reuse", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    assert main(["calibrate", "--reuse", "--no-progress", "--out", str(out)]) == 0
+    text, err = capsys.readouterr()
+    assert "calibrate:" not in err  # --no-progress
     assert not user_profile_dir().exists()
     assert f"`epikv profile use {out / 'tiny__calib.json'}`" in text and "not in use" in text
 

@@ -141,7 +141,10 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from epikv import __version__
+
     parser = argparse.ArgumentParser(prog="epikv", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"epikv {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

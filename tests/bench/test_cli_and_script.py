@@ -25,7 +25,10 @@ def test_every_kind_has_a_command():
 
 def test_plot_command_redraws_from_the_json(tmp_path, capsys):
     assert main(["bench", "capacity", "--quick", "--out", str(tmp_path)]) == 0
-    assert "[epikv] bench capacity: no cache ran" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[epikv] bench capacity: no cache ran" in err and "bench capacity: 100%" in err
+    assert main(["bench", "capacity", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert "bench capacity: 100%" not in capsys.readouterr().err
     assert io.read_result(tmp_path / "capacity.json")["config"]["cache_specs"] == []
     (tmp_path / "capacity.png").unlink()
     assert main(["bench", "plot", str(tmp_path / "capacity.json"), "--png", str(tmp_path / "c.png")]) == 0

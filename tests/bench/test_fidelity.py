@@ -66,7 +66,7 @@ def test_document_skips_budgets_that_cannot_hold_the_prompt(fidelity_doc):
             assert 0.0 <= row["agreement"] <= 1.0 and row["kl"] >= 0.0 and row["loop_rate"] is not None
 
 
-def test_plot_and_cli(fidelity_doc, tmp_path, short_prompts):
+def test_plot_and_cli(fidelity_doc, tmp_path, short_prompts, capsys):
     path = io.write_result(fidelity_doc, tmp_path)
     assert fidelity.plot_fidelity(path).stat().st_size > 5000
     code = main(
@@ -91,5 +91,6 @@ def test_plot_and_cli(fidelity_doc, tmp_path, short_prompts):
         ]
     )
     assert code == 0
+    assert "bench fidelity: 100%" in capsys.readouterr().err  # the full trace and streaming@32
     data = io.read_result(tmp_path / "cli" / "fidelity.json", "fidelity")
     assert data["results"]["summary"]["rows"][0]["prompts"] == 1

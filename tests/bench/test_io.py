@@ -24,6 +24,21 @@ def test_documents_round_trip_and_are_checked(tmp_path):
         io.read_result(bad)
 
 
+def test_reporter_records_each_spec_once_and_draws_bars_only_when_asked(capsys):
+    said = []
+    reporter = io.Reporter(announce=said.append, progress=True)
+    for record in ({"describe": "policy=a"}, {"describe": "policy=b"}, {"describe": "policy=a"}):
+        reporter.uses(record)
+    assert reporter.specs == [{"describe": "policy=a"}, {"describe": "policy=b"}]
+    assert said == ["policy=a", "policy=b"]
+    with reporter.bar(3, "speed", unit="tok") as bar:
+        bar.update(3)
+    assert "bench speed: 100%" in capsys.readouterr().err
+    with io.Reporter().bar(3, "speed") as bar:
+        bar.update(3)
+    assert capsys.readouterr().err == ""
+
+
 def test_prompt_sources(tmp_path, short_prompts):
     assert io.load_prompts("gsm8k", 2)[0].startswith("Janet")
     assert len(io.load_prompts("math500", 3, offset=10)) == 3

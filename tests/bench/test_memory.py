@@ -56,7 +56,7 @@ def test_worker_output_parsing():
     assert memory.parse_worker_output("sdpa", 8, 1, "", "Traceback")["status"] == "crashed"
 
 
-def test_cli_finds_the_boundary_in_a_capped_subprocess(tmp_path):
+def test_cli_finds_the_boundary_in_a_capped_subprocess(tmp_path, capsys):
     # eager 4096 tokens: 4 layers x 4 heads x 4096^2 x 4 bytes = 1 GiB of maps, above a 0.3 GB cap
     code = main(
         [
@@ -80,6 +80,8 @@ def test_cli_finds_the_boundary_in_a_capped_subprocess(tmp_path):
     assert code == 0
     data = io.read_result(tmp_path / "memory.json", "memory")
     assert [p["status"] for p in data["results"]["points"]] == ["oom", "skipped"]
+    err = capsys.readouterr().err
+    assert "bench memory: 100%" in err and "2/2" in err  # the failed point and the one it skipped
     assert data["results"]["points"][0]["address_space_limit"] > 0
     assert (tmp_path / "memory.png").stat().st_size > 5000
 

@@ -119,7 +119,15 @@ def test_ours_only_run_needs_no_kvpress(tiny_pair, short_prompts, capsys):
         prompt_index=0,
         chat=False,
     )
-    doc = peer.run_peer(config, model, tok, runner=in_process)
+    bars = []
+
+    class Recording(io.Reporter):
+        def bar(self, total: int, desc: str, unit: str = "it"):
+            bars.append(super().bar(total, desc, unit))
+            return bars[-1]
+
+    doc = peer.run_peer(config, model, tok, runner=in_process, reporter=Recording(progress=True))
+    assert [(b.desc, b.n, b.total) for b in bars] == [("bench peer", 2, 2)]
     rows = doc["results"]["rows"]
     assert [r["method"] for r in rows] == ["streaming", "h2o"]
     assert rows[0]["kept_set"]["all_match"] is True

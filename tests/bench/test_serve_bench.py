@@ -33,7 +33,15 @@ def test_bench_serve_on_a_tiny_model(serve_model_folder, tmp_path):
         threads=1,
         timeout_s=300,
     )
-    document = run_serve(config)
+    bars = []
+
+    class Recording(io.Reporter):
+        def bar(self, total: int, desc: str, unit: str = "it"):
+            bars.append(super().bar(total, desc, unit))
+            return bars[-1]
+
+    document = run_serve(config, reporter=Recording(progress=True))
+    assert [(b.desc, b.n, b.total) for b in bars] == [("bench serve", 7, 7)]  # 2x2 levels, 2 pools, 1
     results = document["results"]
     for policy in ("full", "streaming"):
         for c in ("1", "3"):

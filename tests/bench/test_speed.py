@@ -83,7 +83,9 @@ def test_plot_and_cli(speed_doc, tmp_path, short_prompts, capsys):
     assert code == 0
     data = io.read_result(out / "speed.json", "speed")
     assert data["config"]["repeats"] == 1 and data["config"]["budget"] == 48  # quick preset + overrides
-    assert "[epikv] policy=streaming budget=48 interval=1" in capsys.readouterr().err.splitlines()
+    err = capsys.readouterr().err
+    assert "[epikv] policy=streaming budget=48 interval=1" in err.splitlines()
+    assert "bench speed: 100%" in err and "48/48" in err  # 2 policies x 24 tokens
     assert (out / "speed.png").exists()
 
 
@@ -91,7 +93,14 @@ def test_taking_turns_changes_nothing_but_the_timing(tiny_pair):
     model, tok = tiny_pair
     ids = io.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
     config = SpeedConfig(budget=48, tokens=30, chunk=7, interval=3)
-    together = speed.interleaved(model, ids, ["full", "h2o", "epikv-flat"], config)
+    steps = []
+
+    class Bar:
+        def update(self, n: int) -> None:
+            steps.append(n)
+
+    together = speed.interleaved(model, ids, ["full", "h2o", "epikv-flat"], config, bar=Bar())
+    assert steps == [7, 7, 7] * 4 + [2, 2, 2]  # every turn of every policy, 3 x 30 tokens
     for policy, trace in together.items():
         alone = speed.timed_decode(model, ids, policy, 48, 30, interval=3)
         assert trace.slots == alone.slots and trace.compactions == alone.compactions

@@ -66,7 +66,7 @@ def named_tiny():
     return model
 
 
-def test_run_writes_everything_and_epikv_finds_the_profile(tmp_path, monkeypatch, named_tiny, tok):
+def test_run_writes_everything_and_epikv_finds_the_profile(tmp_path, monkeypatch, named_tiny, tok, capsys):
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path / "cache"))
     save_traces(_traces(4), tmp_path / "given.jsonl")
     config = CalibrationConfig(
@@ -74,7 +74,9 @@ def test_run_writes_everything_and_epikv_finds_the_profile(tmp_path, monkeypatch
         labels=LabelSettings(kind="flip", window=8, stride=4, answer_tokens=6), rolling=8,
     )  # fmt: skip
     out = tmp_path / "run"
-    result = run_calibration(config, out, model=named_tiny, tokenizer=tok)
+    result = run_calibration(config, out, model=named_tiny, tokenizer=tok, progress=True)
+    err = capsys.readouterr().err
+    assert "calibrate: labels: 100%" in err and "4/4" in err and "calibrate: analysis: 100%" in err
     for name in (
         "config.json",
         "traces.jsonl",
@@ -150,6 +152,22 @@ def test_given_traces_are_sliced_and_copied(tmp_path):
     got = obtain_traces(config, None, None, tmp_path / "run")
     assert [t.id for t in got] == ["p1", "p2"]
     assert [t.id for t in load_traces(tmp_path / "run" / "traces.jsonl")] == ["p1", "p2"]
+
+
+def test_traces_phase_has_a_bar(tmp_path, monkeypatch, capsys):
+    from epikv.calibrate import pipeline
+
+    def fake_generate(model, tokenizer, problems, *args, on_batch, **kwargs):
+        for done in (2, len(problems)):  # two batches
+            on_batch(done)
+        return _traces(len(problems))
+
+    monkeypatch.setattr(pipeline, "generate_traces", fake_generate)
+    config = CalibrationConfig(dataset="gsm8k", limit=3)
+    assert len(obtain_traces(config, None, None, tmp_path, progress=True)) == 3
+    assert "calibrate: traces: 100%" in capsys.readouterr().err
+    obtain_traces(config, None, None, tmp_path)
+    assert "calibrate:" not in capsys.readouterr().err
 
 
 def test_reuse_needs_an_earlier_run(tmp_path):

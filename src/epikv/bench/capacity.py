@@ -184,8 +184,11 @@ def run_capacity(config: CapacityConfig, reporter: io.Reporter | None = None) ->
     """The capacity document for ``config`` (see :mod:`epikv.bench.io` for the envelope). Arithmetic
     only: no cache runs, so it records no cache specs."""
     reporter = reporter or io.Reporter()
-    shape = shape_from_config(load_config(config.model))
-    return io.make_document("capacity", config, capacity_table(shape, config), specs=reporter.specs)
+    with reporter.bar(1, "capacity", unit="table") as bar:
+        shape = shape_from_config(load_config(config.model))
+        table = capacity_table(shape, config)
+        bar.update()
+    return io.make_document("capacity", config, table, specs=reporter.specs)
 
 
 def plot_capacity(json_path: str | Path, png: str | Path | None = None) -> Path:

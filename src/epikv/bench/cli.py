@@ -3,6 +3,8 @@
 Thin: flags become fields of the kind's config dataclass (over its ``QUICK`` preset with ``--quick``,
 else over its defaults), the kind's ``run_*`` function makes the document, it is written as
 ``DIR/<kind>.json`` and drawn as ``DIR/<kind>.png`` by the kind's ``plot_*`` function from the file.
+While it runs, stderr shows one line per cache spec it uses (policy, budget, bands and their profile;
+also recorded in the result's config) and a progress bar (``--no-progress`` hides it).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         p = kinds.add_parser(kind, help=(run.__doc__ or "").splitlines()[0])
         p.add_argument("--out", required=True, help="folder for <kind>.json and <kind>.png")
         p.add_argument("--quick", action="store_true", help="the small configuration (~2 min on 2 cores)")
+        p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
         if "model" in fields:
             p.add_argument("--model", default=argparse.SUPPRESS, help="hub id, folder, random:<preset>")
         for flag, (name, kind_type, text) in _FLAGS.items():
@@ -128,7 +131,7 @@ def build_config(kind: str, args: argparse.Namespace) -> Any:
 def cmd_bench(args: argparse.Namespace) -> int:
     config = build_config(args.kind, args)
     _, _, run, plot = _kind(args.kind)
-    document = run(config, reporter=io.Reporter(announce=_announce))
+    document = run(config, reporter=io.Reporter(announce=_announce, progress=not args.no_progress))
     if not document["config"].get("cache_specs"):
         _announce(f"bench {args.kind}: no cache ran, so no policy read bands from a profile")
     path = io.write_result(document, args.out)
@@ -139,7 +142,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _announce(line: str) -> None:
     """One line on stderr per cache spec a benchmark runs: policy, budget, bands and their profile."""
-    print(f"[epikv] {line}", file=sys.stderr, flush=True)
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"[epikv] {line}", file=sys.stderr)  # above a running bar, not through it
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

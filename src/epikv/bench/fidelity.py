@@ -209,6 +209,24 @@ def _cells(
     return forced
 
 
+def _every_cell(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    traces: list[list[int]],
+    references: list[torch.Tensor],
+    specs: dict[tuple[str, int], CacheSpec],
+    config: FidelityConfig,
+    bar: Any,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every (policy, budget) on one batch of prompts, keyed ``policy@budget``; one bar step each."""
+    cells = {}
+    for (policy, budget), spec in specs.items():
+        bar.set_postfix_str(f"{policy}@{budget}")
+        cells[f"{policy}@{budget}"] = _cells(model, prompts, traces, references, spec, config)
+        bar.update()
+    return cells
+
+
 def run_fidelity(
     config: FidelityConfig,
     model: torch.nn.Module | None = None,
@@ -236,15 +254,16 @@ def run_fidelity(
     for spec in specs.values():
         reporter.uses(spec)
     prompts = []
-    for lo in range(0, len(texts), config.batch_size):
+    batches = range(0, len(texts), config.batch_size)
+    bar = reporter.bar(len(batches) * (1 + len(specs)), "fidelity", unit="run")  # full trace + each spec
+    for lo in batches:
         ids = [
             io.encode_prompt_ids(tokenizer, text, config.chat) for text in texts[lo : lo + config.batch_size]
         ]
         traced = full_traces(model, ids, config.trace_tokens, stop)
+        bar.update()
         traces, references = [t for t, _ in traced], [r for _, r in traced]
-        cells = {
-            f"{p}@{k}": _cells(model, ids, traces, references, spec, config) for (p, k), spec in specs.items()
-        }
+        cells = _every_cell(model, ids, traces, references, specs, config, bar)
         for j, (prompt, trace, reference) in enumerate(zip(ids, traces, references, strict=True)):
             nll = float(-reference.gather(1, torch.tensor(trace)[:, None]).mean())
             prompts.append(
@@ -257,6 +276,7 @@ def run_fidelity(
                     "cells": {name: batch[j] for name, batch in cells.items()},
                 }
             )
+    bar.close()
     results = {
         "model": io.model_name(model),
         "missing_policies": missing,

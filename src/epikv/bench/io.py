@@ -6,7 +6,8 @@ A benchmark result is one JSON document::
 
 written by :func:`write_result` and read back by :func:`read_result`; plots read only that file.
 ``config.cache_specs`` records every cache spec the run used (policy, budget, bands and the profile
-they came from), gathered while it runs by a :class:`Reporter`, which also announces each one.
+they came from), gathered while it runs by a :class:`Reporter`, which also announces each one and
+draws the benchmark's progress bar.
 This module also owns the process-level memory probes (peak resident set on Linux, peak allocated
 on CUDA), the named random-weight models that benchmarks and tests can load without a network
 (``random:<preset>``), and the Agg figure factory. It knows no benchmark's figures.
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
 from epikv.models.tiny import config_from_spec, random_weights, tiny_spec
 
@@ -99,12 +101,16 @@ def spec_record(spec: CacheSpec) -> dict[str, Any]:
 
 class Reporter:
     """What a benchmark tells the person running it and keeps for its result: every cache spec it
-    runs (recorded once each in ``specs``, and announced once through ``announce``). The default
-    announces nothing and still records."""
+    runs (recorded once each in ``specs``, and announced once through ``announce``) and, with
+    ``progress``, a tqdm bar on stderr. The default shows nothing and still records."""
 
-    def __init__(self, announce: Callable[[str], None] | None = None) -> None:
-        self.announce = announce
+    def __init__(self, announce: Callable[[str], None] | None = None, progress: bool = False) -> None:
+        self.announce, self.progress = announce, progress
         self.specs: list[dict[str, Any]] = []
+
+    def bar(self, total: int, desc: str, unit: str = "it") -> tqdm:
+        """A progress bar (a context manager; ``update(n)`` as work finishes), hidden unless ``progress``."""
+        return tqdm(total=total, desc=f"bench {desc}", unit=unit, disable=not self.progress)
 
     def uses(self, spec: CacheSpec | dict[str, Any]) -> None:
         """A spec this run uses: a CacheSpec, or the :func:`spec_record` a subprocess sent back."""

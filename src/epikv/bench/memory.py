@@ -211,17 +211,21 @@ def run_memory(
             model, _ = io.load_bench_model(config.model, config.device, config.dtype)
         runner = inprocess_runner(model, config) if in_process else subprocess_runner(config)
     points: list[dict[str, Any]] = []
-    for path in config.paths:
-        failed = False
-        for length in config.lengths:
-            if failed:
-                points.append({"path": path, "length": length, "status": "skipped"})
-                continue
-            point = runner(path, length)
-            if "cache_spec" in point:
-                reporter.uses(point.pop("cache_spec"))
-            points.append(point)
-            failed = point["status"] != "ok"
+    with reporter.bar(len(config.paths) * len(config.lengths), "memory", unit="point") as bar:
+        for path in config.paths:
+            failed = False
+            for length in config.lengths:
+                bar.set_postfix_str(f"{path} L={length}")
+                if failed:
+                    points.append({"path": path, "length": length, "status": "skipped"})
+                    bar.update()
+                    continue
+                point = runner(path, length)
+                if "cache_spec" in point:
+                    reporter.uses(point.pop("cache_spec"))
+                points.append(point)
+                failed = point["status"] != "ok"
+                bar.update()
     name = io.model_name(model) if model is not None else next((p.get("model") for p in points), None)
     results = {"model": name, "points": points, "summary": summarize_memory(points, config)}
     return io.make_document("memory", config, results, config.device, reporter.specs)

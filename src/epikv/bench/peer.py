@@ -200,27 +200,21 @@ def run_peer(
         ids_file = scratch / "ids.json"
         ids_file.write_text(json.dumps(prompt_ids(config, tokenizer)))
         args = common_args(config, folder, ids_file)
-        rows = [
-            {
-                "side": "kvpress",
-                "method": press,
-                **run_side_(
-                    [str(python), str(RUNNER), "--press", press, *args], f"kvpress {press}", config.timeout_s
-                ),
-            }
-            for press in config.presses
-        ]
         worker = [sys.executable, "-m", "epikv.bench.peer", "--worker"]
-        for policy in ours:
-            command = [*worker, "--policy", policy, "--attention", _attention(config, policy), *args]
-            row = {
-                "side": "epikv",
-                "method": policy,
-                **run_side_(command, f"epikv {policy}", config.timeout_s),
-            }
-            if "cache_spec" in row:  # the worker's spec, with its bands: into the result's config
-                reporter.uses(row.pop("cache_spec"))
-            rows.append(row)
+        sides = [("kvpress", p, [str(python), str(RUNNER), "--press", p, *args]) for p in config.presses]
+        sides += [
+            ("epikv", p, [*worker, "--policy", p, "--attention", _attention(config, p), *args]) for p in ours
+        ]
+        rows = []
+        with reporter.bar(len(sides), "peer", unit="method") as bar:
+            for side, method, command in sides:
+                bar.set_postfix_str(f"{side} {method}")
+                done = run_side_(command, f"{side} {method}", config.timeout_s)
+                row = {"side": side, "method": method, **done}
+                if "cache_spec" in row:  # our worker's spec, with its bands: into the result's config
+                    reporter.uses(row.pop("cache_spec"))
+                rows.append(row)
+                bar.update()
     results = {
         "model": str(config.model or "smollm2-135m"),
         "peer_versions": versions,

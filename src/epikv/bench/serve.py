@@ -268,41 +268,60 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-serve-"))
     prompts = io.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
     load = [os.getloadavg()[0]]
+    n = len(config.policies)  # one bar step per sweep level, capacity run and the generate run
+    steps = n * len(config.concurrency) + (n if config.pool_requests else 0) + 1
+    bar = reporter.bar(steps, "serve", unit="run")
     servers = [start_server(config, policy, None, folder) for policy in config.policies]
-    levels: dict[str, dict[str, Any]] = {p: {} for p in config.policies}
     try:
         wait_ready(servers)
         for server in servers:
             reporter.uses(server_spec(server))
-        for turn, clients in enumerate(config.concurrency):
-            shift = turn % len(servers)
-            for server in servers[shift:] + servers[:shift]:
-                level = asyncio.run(
-                    closed_loop(server.url, prompts, clients, config.rounds, config.max_tokens)
-                )
-                server.sample_rss()
-                levels[server.policy][str(clients)] = {**level, "peak_rss_mb": server.peak_rss_mb}
-                load.append(os.getloadavg()[0])
+        levels = sweep(config, servers, prompts, load, bar)
     finally:
         stop_servers(servers)
     longest = max(level["max_prompt_tokens"] for by_c in levels.values() for level in by_c.values())
     swept = prompts[: max(config.concurrency) * config.rounds]  # the prompts whose length was measured
-    capacity = run_capacity(config, swept, longest, folder, load) if config.pool_requests else None
+    capacity = run_capacity(config, swept, longest, folder, load, bar) if config.pool_requests else None
     overhead = None
     if "epikv" in config.policies and "1" in levels["epikv"]:
+        bar.set_postfix_str("epikv generate")
         generated = generate_speed(config, prompts[0])
         overhead = {
             "generate_tokens_per_s": generated,
             "server_tokens_per_s": levels["epikv"]["1"]["tokens_per_s"],
         }
         overhead["ratio"] = overhead["server_tokens_per_s"] / generated
+    bar.update()
+    bar.close()
     results = {"levels": levels, "capacity": capacity, "overhead": overhead, "load_average": load}
     results["targets"] = serve_targets(results, config)
     return io.make_document("serve", config, results, specs=reporter.specs)
 
 
+def sweep(
+    config: ServeBenchConfig, servers: list[Server], prompts: list[str], load: list[float], bar: Any
+) -> dict[str, dict[str, Any]]:
+    """Every concurrency level on every server, the servers taking turns; one bar step per level."""
+    levels: dict[str, dict[str, Any]] = {s.policy: {} for s in servers}
+    for turn, clients in enumerate(config.concurrency):
+        shift = turn % len(servers)
+        for server in servers[shift:] + servers[:shift]:
+            bar.set_postfix_str(f"{server.policy} x{clients}")
+            level = asyncio.run(closed_loop(server.url, prompts, clients, config.rounds, config.max_tokens))
+            server.sample_rss()
+            levels[server.policy][str(clients)] = {**level, "peak_rss_mb": server.peak_rss_mb}
+            load.append(os.getloadavg()[0])
+            bar.update()
+    return levels
+
+
 def run_capacity(
-    config: ServeBenchConfig, prompts: list[str], prompt_tokens: int, folder: Path, load: list[float]
+    config: ServeBenchConfig,
+    prompts: list[str],
+    prompt_tokens: int,
+    folder: Path,
+    load: list[float],
+    bar: Any = None,
 ) -> dict[str, Any]:
     """One pool per policy, enough for ``pool_requests`` full-cache requests of the longest prompt
     seen in the sweep; more requests than fit are sent at once."""
@@ -317,6 +336,8 @@ def run_capacity(
             load.append(os.getloadavg()[0])
         finally:
             stop_servers([server])
+        if bar is not None:
+            bar.update()
     return out
 
 

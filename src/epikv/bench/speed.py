@@ -183,8 +183,10 @@ def interleaved(
     policies: list[str],
     config: SpeedConfig,
     reporter: io.Reporter | None = None,
+    bar: Any = None,
 ) -> dict[str, DecodeTrace]:
-    """All ``policies`` decode side by side, taking turns every ``config.chunk`` steps."""
+    """All ``policies`` decode side by side, taking turns every ``config.chunk`` steps (``bar``, if
+    given, advances by the steps each turn decodes)."""
     reporter = reporter or io.Reporter()
     runs = {
         p: PolicyDecode(model, input_ids, p, config.budget, config.interval, config.attention)
@@ -196,6 +198,8 @@ def interleaved(
     for done in range(0, config.tokens, config.chunk):
         for run in runs.values():
             run.advance(min(config.chunk, config.tokens - done))
+            if bar is not None:
+                bar.update(min(config.chunk, config.tokens - done))
     return {p: run.finish() for p, run in runs.items()}
 
 
@@ -223,11 +227,12 @@ def run_speed(
     policies, missing = available_policies(config.policies)
     timed_decode(model, ids, "full", None, config.warmup)  # first-call costs out of the way
     traces: dict[str, list[DecodeTrace]] = {p: [] for p in policies}
-    for repeat in range(config.repeats):
-        shift = repeat % len(policies)
-        order = policies[shift:] + policies[:shift]
-        for policy, trace in interleaved(model, ids, order, config, reporter).items():
-            traces[policy].append(trace)
+    with reporter.bar(config.repeats * len(policies) * config.tokens, "speed", unit="tok") as bar:
+        for repeat in range(config.repeats):
+            shift = repeat % len(policies)
+            order = policies[shift:] + policies[:shift]
+            for policy, trace in interleaved(model, ids, order, config, reporter, bar).items():
+                traces[policy].append(trace)
     summaries = {
         p: summarize_policy(t, config.budget, ids.shape[1], config.bin_size) for p, t in traces.items()
     }

@@ -56,6 +56,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--marker", action="append", default=None, help="answer marker phrase (repeatable)")
     p.add_argument("--quick", action="store_true", help="small smoke run: " + json.dumps(QUICK))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     # Kept so that older command lines still run: calibration never installs its profile now.
     p.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
@@ -118,7 +119,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    result = run_calibration(config, args.out, reuse=args.reuse)
+    result = run_calibration(config, args.out, reuse=args.reuse, progress=not args.no_progress)
     c = result.rho["choice"]
     print(
         f"[epikv calibrate] {result.profile.model}: Band A = layer {c['band_a']} (ρ {c['rho_a']:+.3f}, "

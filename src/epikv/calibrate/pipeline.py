@@ -1,6 +1,7 @@
 """One calibration run: traces -> occlusion labels -> signals -> ρ per layer -> bands -> profile.
 
-This module owns the order of the steps, what is kept, and the files of a run folder:
+This module owns the order of the steps, what is kept, their progress bars (traces, labels,
+analysis; tqdm on stderr) and the files of a run folder:
 ``config.json``, ``traces.jsonl`` (reusable with ``--traces``), ``windows.jsonl`` (per-trace window
 labels), ``tokens.npz`` (pooled per-token signals and labels; ``--reuse`` redoes the statistics from
 it), ``rho.json`` (every curve with its interval, the choice, counts and timings; the plot reads only
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from epikv.calibrate.analysis import choose, position_rho, rho_curves, rho_record, scaled_bands, score_rho
 from epikv.calibrate.config import KEEP, CalibrationConfig, config_from_file
 from epikv.calibrate.occlusion import Labeller
 from epikv.calibrate.profile import build_profile, write_profile
 from epikv.calibrate.signals import SIGNALS, all_signals, step_changes
+from epikv.calibrate.stats import BandChoice
 from epikv.calibrate.traces import Trace, generate_traces, load_traces, save_traces
 from epikv.profiles import BandProfile
 
@@ -67,21 +70,34 @@ def _safe_grade(grader: Any) -> Any:
     return grade
 
 
-def obtain_traces(config: CalibrationConfig, model: Any, tokenizer: Any, out: Path) -> list[Trace]:
+def obtain_traces(
+    config: CalibrationConfig, model: Any, tokenizer: Any, out: Path, progress: bool = False
+) -> list[Trace]:
     if config.traces:  # --offset / --limit pick from the given traces as they would from the dataset
         traces = load_traces(Path(config.traces))[config.offset : config.offset + config.limit]
     else:
         problems, grader = _problems(config)
-        traces = generate_traces(
-            model, tokenizer, problems, config.max_new_tokens, config.batch_size, config.markers,
-            _safe_grade(grader), on_batch=lambda n: log.info("traces: %d/%d", n, len(problems)),
-        )  # fmt: skip
+        with tqdm(total=len(problems), desc="calibrate: traces", disable=not progress) as bar:
+
+            def on_batch(done: int) -> None:
+                log.info("traces: %d/%d", done, len(problems))
+                bar.update(done - bar.n)
+
+            traces = generate_traces(
+                model, tokenizer, problems, config.max_new_tokens, config.batch_size, config.markers,
+                _safe_grade(grader), on_batch=on_batch,
+            )  # fmt: skip
     save_traces(traces, out / "traces.jsonl")
     return traces
 
 
 def label_and_measure(
-    traces: list[Trace], model: Any, tokenizer: Any, config: CalibrationConfig, out: Path
+    traces: list[Trace],
+    model: Any,
+    tokenizer: Any,
+    config: CalibrationConfig,
+    out: Path,
+    progress: bool = False,
 ) -> dict[str, np.ndarray]:
     """Labels every trace and computes its signals; pooled arrays, also saved as ``tokens.npz``."""
     from epikv.calibrate.scorer import ModelScorer
@@ -96,7 +112,7 @@ def label_and_measure(
     )  # fmt: skip
     signals, drops, flips, groups = [], [], [], []
     with (out / "windows.jsonl").open("w") as handle:
-        for index, trace in enumerate(traces):
+        for index, trace in enumerate(tqdm(traces, desc="calibrate: labels", disable=not progress)):
             started = time.perf_counter()
             labels = labeller.label(trace, index)
             d = step_changes(model, trace.ids, *trace.span)
@@ -159,11 +175,13 @@ def run_calibration(
     model: Any = None,
     tokenizer: Any = None,
     reuse: bool = False,
+    progress: bool = False,
 ) -> CalibrationResult:
     """Runs every step and writes the run folder; returns the profile and the ρ record.
 
     ``reuse``: take traces, labels and signals from the folder's ``traces.jsonl`` and ``tokens.npz``
     (an earlier run) and redo only the statistics, the choice and the profile: no model runs.
+    ``progress``: a bar per phase (traces, labels, analysis) on stderr.
     """
     out.mkdir(parents=True, exist_ok=True)
     clock = [time.perf_counter()]
@@ -173,42 +191,66 @@ def run_calibration(
         earlier = _earlier_seconds(out)
     else:
         (out / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-        identity, traces, used, pooled = measure(config, out, model, tokenizer, clock)
+        identity, traces, used, pooled = measure(config, out, model, tokenizer, clock, progress)
         earlier = {}
+    with tqdm(total=5, desc="calibrate: analysis", disable=not progress) as bar:
+        rho, choice = analyse(pooled, config, identity, summarise_traces(traces, used), bar)
+        clock.append(time.perf_counter())
+        names = ("traces", "labels_and_signals", "statistics")
+        steps = dict(zip(names, np.diff(clock).round(1).tolist(), strict=True))
+        rho["seconds"] = {**steps, **earlier}  # a reused run keeps its model steps' times
+        rho["reused"] = reuse
+        (out / "rho.json").write_text(json.dumps(rho, indent=2) + "\n")
+        profile = make_profile(rho, choice, config, _count_windows(out), int(pooled["groups"].shape[0]))
+        path = write_profile(profile, out)
+        _try_plot(out)
+        bar.update()
+    return CalibrationResult(profile, rho, path)
+
+
+def analyse(
+    pooled: dict[str, np.ndarray], config: CalibrationConfig, identity: str, traces: dict[str, Any], bar: Any
+) -> tuple[dict[str, Any], BandChoice]:
+    """ρ per layer, the band choice, ρ of the whole score and of position; one bar step each."""
     curves = rho_curves(pooled, config)
+    bar.update()
     choice = choose(curves, config)
-    rho = rho_record(identity, config, curves, choice, summarise_traces(traces, used))
+    rho = rho_record(identity, config, curves, choice, traces)
+    bar.update()
     pairs = {
         "chosen": (choice.band_a, choice.band_b),
         "scaled_default": tuple(scaled_bands(rho["num_layers"]).values()),
     }
     rho["score"] = score_rho(pooled, config, pairs)
+    bar.update()
     rho["position"] = position_rho(pooled, config)
-    clock.append(time.perf_counter())
-    steps = dict(
-        zip(("traces", "labels_and_signals", "statistics"), np.diff(clock).round(1).tolist(), strict=True)
-    )
-    rho["seconds"] = {**steps, **earlier}  # a reused run keeps the model steps' times of the run it reuses
-    rho["reused"] = reuse
-    (out / "rho.json").write_text(json.dumps(rho, indent=2) + "\n")
+    bar.update()
+    return rho, choice
+
+
+def make_profile(
+    rho: dict[str, Any], choice: BandChoice, config: CalibrationConfig, n_windows: int, n_tokens: int
+) -> BandProfile:
+    """The profile with its provenance: data, labels, statistics and the choice's warnings."""
     provenance = {
-        "dataset": config.dataset, "n_problems": len(used), "n_correct": rho["traces"]["used_correct"],
-        "n_windows": _count_windows(out), "n_tokens": int(pooled["groups"].shape[0]),
+        "dataset": config.dataset, "n_problems": rho["n_problems"],
+        "n_correct": rho["traces"]["used_correct"], "n_windows": n_windows, "n_tokens": n_tokens,
         "window": config.labels.window, "stride": config.labels.stride, "filler": config.labels.filler,
         "answer_tokens": config.labels.answer_tokens, "rolling": config.rolling, "keep": config.keep,
         "max_new_tokens": config.max_new_tokens, "bootstrap": rho["bootstrap"],
         "answer_rules": rho["traces"]["answer_rules"], "score_rho": rho["score"],
     }  # fmt: skip
-    profile = build_profile(
-        rho["model"], rho["num_layers"], choice, config.labels.kind, config.signal, provenance
-    )
-    path = write_profile(profile, out)
-    _try_plot(out)
-    return CalibrationResult(profile, rho, path)
+    label, signal = config.labels.kind, config.signal
+    return build_profile(rho["model"], rho["num_layers"], choice, label, signal, provenance)
 
 
 def measure(
-    config: CalibrationConfig, out: Path, model: Any, tokenizer: Any, clock: list[float]
+    config: CalibrationConfig,
+    out: Path,
+    model: Any,
+    tokenizer: Any,
+    clock: list[float],
+    progress: bool = False,
 ) -> tuple[str, list[Trace], list[Trace], dict[str, np.ndarray]]:
     """Traces, selection, labels and signals (the model part of a run); appends step times to clock."""
     from epikv.models import load_model, model_identity
@@ -216,10 +258,10 @@ def measure(
     if model is None:
         model, tokenizer = load_model(config.model)
         clock[0] = time.perf_counter()  # loading the model is not a calibration step
-    traces = obtain_traces(config, model, tokenizer, out)
+    traces = obtain_traces(config, model, tokenizer, out, progress)
     clock.append(time.perf_counter())
     used = _usable(traces, config)
-    pooled = label_and_measure(used, model, tokenizer, config, out)
+    pooled = label_and_measure(used, model, tokenizer, config, out, progress)
     clock.append(time.perf_counter())
     return model_identity(model), traces, used, pooled
 

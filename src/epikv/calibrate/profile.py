@@ -9,7 +9,6 @@ step (``epikv profile use``, :func:`epikv.profiles.install_profile`), which read
 from __future__ import annotations
 
 import datetime as dt
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,9 @@ from epikv.profiles import BandProfile, save_profile
 
 
 def epikv_version() -> str:
-    try:
-        return metadata.version("epikv")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    import epikv
+
+    return epikv.__version__
 
 
 def build_profile(
