@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from epikv.cli import main
+from epikv.cli import build_parser, main
 from epikv.policies import policy_class, policy_names
 from epikv.spec import parse_policy_params
 
@@ -59,6 +60,32 @@ def test_version_comes_from_the_package_metadata(capsys):
         == f"epikv {metadata.version('epikv')}"
         == f"epikv {epikv.__version__}"
     )
+
+
+def _commands(parser) -> dict[str, str]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {choice.dest: choice.help for choice in sub._choices_actions}
+
+
+def test_help_lists_every_command_with_a_one_line_description(capsys):
+    parser = build_parser()
+    commands = _commands(parser)
+    assert set(commands) == {
+        "generate",
+        "policies",
+        "eval",
+        "report",
+        "bench",
+        "calibrate",
+        "profile",
+        "serve",
+    }
+    for name, text in commands.items():
+        assert text and "\n" not in text and "``" not in text and len(text) <= 70, name
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and all(f"    {name}" in out for name in commands)
 
 
 def test_unknown_policy_is_a_clear_error(capsys):

@@ -20,7 +20,7 @@ from epikv.policies import ALIASES, policy_class, policy_names
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text under a KV budget and report what the cache did")
+    p = sub.add_parser("generate", help="generate text under a KV budget; report what the cache did")
     p.add_argument("prompt", help="the prompt (wrapped in the chat template unless --raw)")
     p.add_argument(
         "--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M-Instruct)"
@@ -119,7 +119,7 @@ def _summary(r: dict[str, Any]) -> str:
 
 
 def _add_policies(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policies", help="list the registered eviction policies")
+    p = sub.add_parser("policies", help="list the eviction policies, their defaults and needs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_policies)
 
@@ -140,13 +140,16 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+DESCRIPTION = "Keep an LLM's KV cache inside a token budget by evicting tokens (EpiKV and baselines)."
+
+
 def build_parser() -> argparse.ArgumentParser:
     from epikv import __version__
 
-    parser = argparse.ArgumentParser(prog="epikv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="epikv", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"epikv {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _add_generate(sub)
     _add_policies(sub)
     for module_name, adders in _EXTENSIONS:

@@ -33,19 +33,19 @@ _WHY = {
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="list the EpiKV band profiles and choose which one a model uses")
-    actions = p.add_subparsers(dest="profile_action", required=True)
+    p = sub.add_parser("profile", help="list band profiles; choose the one a model uses")
+    actions = p.add_subparsers(dest="profile_action", required=True, title="actions", metavar="ACTION")
     show = actions.add_parser("list", help="every model's profiles, the one in use and why")
     show.add_argument("model", nargs="?", default=None, help="only this model identity")
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_list)
-    use = actions.add_parser("use", help="make a calibrated profile (a JSON from `epikv calibrate`) active")
+    use = actions.add_parser("use", help="make a calibrated profile the one its model uses")
     use.add_argument("path", type=Path, help="the profile JSON, e.g. RUN/<model>.json")
     use.add_argument(
         "--force", action="store_true", help="install it even though its calibration says the signal is weak"
     )
     use.set_defaults(func=cmd_use)
-    reset = actions.add_parser("reset", help="remove a model's user profile (back to the shipped bands)")
+    reset = actions.add_parser("reset", help="remove a model's user profile (back to the shipped one)")
     reset.add_argument("model", help="the model identity, as `epikv profile list` shows it")
     reset.set_defaults(func=cmd_reset)
 

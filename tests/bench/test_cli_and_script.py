@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from epikv.bench import io
+from epikv.bench.cli import KIND_HELP, KINDS
 from epikv.cli import build_parser, main
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"
@@ -21,6 +22,17 @@ def test_every_kind_has_a_command():
         assert args.kind == kind
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "capacity", "--out", "x", "--tokens", "3"])  # not a capacity flag
+
+
+def test_every_kind_has_a_one_line_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for kind, text in KIND_HELP.items():
+        assert f"    {kind:<10}{text}\n" in out  # one line at 80 columns, not a docstring
+        assert "``" not in text and "document" not in text
+    assert set(KIND_HELP) == set(KINDS)
 
 
 def test_plot_command_redraws_from_the_json(tmp_path, capsys):

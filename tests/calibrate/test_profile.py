@@ -87,5 +87,13 @@ def test_cli_quick_defaults_and_overrides(tmp_path):
     assert json.loads(json.dumps(QUICK)) == QUICK
     with pytest.raises(SystemExit):
         _args("--dataset", "gsm8k", "--label", "kl", "--out", str(tmp_path))
-    with pytest.raises(ValueError, match="--dataset"):
-        config_from_args(_args("--out", str(tmp_path)))
+    with pytest.raises(SystemExit):  # the parser itself requires --dataset (or --reuse)
+        _args("--out", str(tmp_path))
+    with pytest.raises(SystemExit):  # --reuse takes the dataset from the earlier run
+        _args("--reuse", "--dataset", "gsm8k", "--out", str(tmp_path))
+
+
+def test_help_shows_that_a_dataset_is_required(capsys):
+    with pytest.raises(SystemExit):
+        _args("--help")
+    assert "(--dataset DATASET | --reuse)" in " ".join(capsys.readouterr().out.split())

@@ -27,12 +27,18 @@ QUICK = {"limit": 8, "max_new_tokens": 256, "answer_tokens": 32, "bootstrap": 20
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate",
-        help="find a model's EpiKV bands by occlusion; the profile goes to --out (`epikv profile use` "
-        "activates it)",
+        help="find a model's EpiKV bands; writes a profile to --out",
+        description="Find a model's EpiKV bands by occlusion and write its profile into --out. Other "
+        "runs keep their bands until `epikv profile use OUT/<model>.json` makes it active.",
     )
     p.add_argument("--model", default=None, help="hub id or local path (default: embedded SmolLM2-135M)")
-    p.add_argument(
-        "--dataset", default=None, help="gsm8k | math500 | aime2024 | amc2023 | FILE.jsonl | hf:..."
+    source = p.add_mutually_exclusive_group(required=True)  # --reuse takes the dataset from --out
+    source.add_argument("--dataset", help="gsm8k | math500 | aime2024 | amc2023 | FILE.jsonl | hf:...")
+    source.add_argument(
+        "--reuse",
+        action="store_true",
+        help="redo only the statistics and the choice from --out's traces and labels (no model runs); "
+        "--label/--signal/--bootstrap/--seed apply, the rest comes from its config.json",
     )
     p.add_argument(
         "--limit", type=int, default=None, help="problems (or given traces) to use (default 30; --quick: 8)"
@@ -59,12 +65,6 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     # Kept so that older command lines still run: calibration never installs its profile now.
     p.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--reuse",
-        action="store_true",
-        help="redo only the statistics and the choice from --out's traces and labels (no model runs); "
-        "--label/--signal/--bootstrap/--seed apply, the rest comes from its config.json",
-    )
     p.add_argument("--out", required=True, type=Path, help="run folder")
     p.set_defaults(func=cmd_calibrate)
 
@@ -72,8 +72,6 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
     if args.reuse:
         return reuse_config(args)
-    if args.dataset is None:
-        raise ValueError("--dataset is required (unless --reuse)")
     defaults = {"limit": 30, "max_new_tokens": 384, "answer_tokens": 64, "bootstrap": 1000}
     if args.quick:
         defaults.update(QUICK)
