@@ -1,0 +1,87 @@
+"""`epikv serve --ray-replicas`: two Ray Serve replicas of the server on a local 2-CPU Ray cluster
+started here, over a local folder holding a tiny random model, answering the `openai` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from epikv.cli import main as epikv_main
+from epikv.serve.ray_serve import REPLICA_HEADER, ReplicaResources, ReplicaSettings
+from tests.serve.conftest import free_port
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
+
+
+@pytest.fixture(scope="module")
+def replicas(serve_model_folder) -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from epikv.serve.ray_serve import deploy
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        settings = ReplicaSettings(
+            model=str(serve_model_folder), served_model_name="m", policy="streaming", budget="64",
+            max_tokens=16, threads=1,
+        )  # fmt: skip
+        yield deploy(settings, ReplicaResources(replicas=2, cpus=1, gpus=0), "127.0.0.1", free_port())
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def ask(client: Any, question: str) -> tuple[str, str]:
+    """One chat completion; returns (replica id, text)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0
+    )
+    completion = raw.parse()
+    assert completion.usage.completion_tokens == 4 and completion.choices[0].finish_reason == "length"
+    return raw.headers[REPLICA_HEADER], completion.choices[0].message.content
+
+
+@pytest.mark.ray
+@needs_ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic fields, on import
+def test_two_replicas_answer_the_openai_client_and_both_take_requests(replicas: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{replicas}/v1", api_key="none", max_retries=0, timeout=60)
+    assert [model.id for model in client.models.list()] == ["m"]
+    seen: dict[str, set[str]] = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(6):  # concurrent rounds until both replicas answered (almost always the first)
+            for replica, text in pool.map(lambda _: ask(client, "Say hi."), range(4)):
+                seen.setdefault(replica, set()).add(text)
+            if len(seen) == 2:
+                break
+    assert len(seen) == 2, f"one replica took every request: {seen}"
+    # The same weights, prompt and greedy decoding on each replica: the same text everywhere.
+    assert len(set().union(*seen.values())) == 1
+    stream = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) in seen[replica]
+    error = httpx.post(f"{replicas}/v1/chat/completions", json={"model": "other", "messages": []}, timeout=30)
+    assert error.status_code in (400, 404) and "error" in error.json()
+
+
+def test_replica_flags_without_replicas_and_replicas_without_ray(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert epikv_main(["serve", "--replica-gpus", "1"]) == 2
+    assert capsys.readouterr().err == "epikv: error: --replica-gpus only apply with --ray-replicas\n"
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert epikv_main(["serve", "--ray-replicas", "2", "--policy", "streaming", "--budget", "64"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "epikv: error: Ray is not installed; install it with: pip install 'epikv[ray]'\n"
+    )
