@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -24,13 +23,13 @@ from epikv.eval.ray_runner import RayOptions, shard_configs
 from epikv.eval.records import read_results
 from epikv.eval.report import format_table, load_runs
 from epikv.eval.tasks import load_task
+from tests.ray_helpers import local_cluster, ray_test
 
 from .fakes import FakeResult, boxed
 
 GSM = load_task("gsm8k").slice(limit=6)
 IDS = {example.problem: example.id for example in GSM}
 GOLD = {example.problem: example.answer for example in GSM}
-_NO_RAY = importlib.util.find_spec("ray") is None
 
 
 @dataclass(frozen=True)
@@ -92,16 +91,8 @@ def asked(log: Path) -> Counter[str]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-def ray_test(function: Any) -> Any:
-    """Marks a test that needs a Ray cluster (`-m "not ray"` leaves them out); skipped without Ray."""
-    return pytest.mark.ray(pytest.mark.skipif(_NO_RAY, reason="Ray is not installed")(function))
+    with local_cluster(seconds=180) as ray:  # about 25 s when nothing hangs
+        yield ray
 
 
 @ray_test
@@ -164,6 +155,7 @@ def test_shards_split_each_run_and_a_named_shard_stays_one() -> None:
     shards = shard_configs(runs, 2)
     assert [(c.policy, c.shard) for c in shards] == [("full", "0/2"), ("full", "1/2"), ("streaming", "1/4")]
     assert not any(c.progress for c in shards)
+    assert all(c.out == str(Path("runs").resolve()) for c in shards)  # workers may start elsewhere
     assert [c.shard for c in shard_configs(runs[:1], 1)] == [None]  # one task writes results.jsonl
     with pytest.raises(ValueError, match="shards must be >= 1"):
         RayOptions(shards=0)

@@ -4,7 +4,6 @@ started here, over a local folder holding a tiny random model, answering the `op
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -14,28 +13,23 @@ import pytest
 
 from epikv.cli import main as epikv_main
 from epikv.serve.ray_serve import REPLICA_HEADER, ReplicaResources, ReplicaSettings
+from tests.ray_helpers import local_cluster, ray_test
 from tests.serve.conftest import free_port
-
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 
 
 @pytest.fixture(scope="module")
 def replicas(serve_model_folder) -> Iterator[str]:
-    import ray
     from ray import serve
 
     from epikv.serve.ray_serve import deploy
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_cluster(seconds=240):  # about 40 s when nothing hangs
         settings = ReplicaSettings(
             model=str(serve_model_folder), served_model_name="m", policy="streaming", budget="64",
             max_tokens=16, threads=1,
         )  # fmt: skip
         yield deploy(settings, ReplicaResources(replicas=2, cpus=1, gpus=0), "127.0.0.1", free_port())
         serve.shutdown()
-    finally:
-        ray.shutdown()
 
 
 def ask(client: Any, question: str) -> tuple[str, str]:
@@ -48,8 +42,7 @@ def ask(client: Any, question: str) -> tuple[str, str]:
     return raw.headers[REPLICA_HEADER], completion.choices[0].message.content
 
 
-@pytest.mark.ray
-@needs_ray
+@ray_test
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic fields, on import
 def test_two_replicas_answer_the_openai_client_and_both_take_requests(replicas: str) -> None:
     from openai import OpenAI

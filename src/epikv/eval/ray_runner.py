@@ -72,11 +72,13 @@ class RayRun:
 
 def shard_configs(configs: list[EvalConfig], shards: int) -> list[EvalConfig]:
     """Each run split into `shards` shard configs; a config that names its shard stays that one shard.
-    Tasks never draw their own progress bar (the driver draws one for all)."""
+    `out` is made absolute here, since a worker's working folder is not the driver's, and tasks never
+    draw their own progress bar (the driver draws one for all)."""
     out = []
     for config in configs:
         names = [config.shard] if config.shard is not None else _shard_names(shards)
-        out.extend(replace(config, shard=name, progress=False) for name in names)
+        where = str(Path(config.out).resolve())
+        out.extend(replace(config, shard=name, out=where, progress=False) for name in names)
     return out
 
 
@@ -226,14 +228,19 @@ def ray_eval_command(
         gpus_per_task=args.gpus_per_task,
         progress=not args.no_progress,
     )
-    run = run_on_ray(configs, options, engine)
+    try:
+        run = run_on_ray(configs, options, engine)
+    except KeyboardInterrupt:
+        print("epikv eval: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
     generated: dict[Path, int] = {}
     for outcome in run.outcomes:
         generated[outcome.folder] = generated.get(outcome.folder, 0) + outcome.generated
     for folder, count in generated.items():
         print(f"{folder}: generated {count}")
-    if generated:
-        print(report(list(generated)))
+    visible = [folder for folder in generated if folder.is_dir()]  # a Ray Client driver may not see --out
+    if visible:
+        print(report(visible))
     if run.failures:
         for failure in run.failures:
             print(f"epikv eval: failed: {_task_name(failure.config)}: {failure.error}", file=sys.stderr)
