@@ -16,7 +16,8 @@ NO_RAY = importlib.util.find_spec("ray") is None
 
 
 def ray_test(function: T) -> T:
-    """Marks a test that needs a Ray cluster (`-m "not ray"` leaves them out); skipped without Ray."""
+    """Marks a test that needs a Ray cluster, skipped without Ray; `-m "not slow and not ray"` leaves
+    them out."""
     return pytest.mark.ray(pytest.mark.skipif(NO_RAY, reason="Ray is not installed")(function))
 
 

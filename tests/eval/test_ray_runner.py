@@ -145,7 +145,7 @@ def test_a_failing_task_is_reported_and_the_others_finish(
     args = eval_args(out, "--ray", "--shards", "2")
     assert cli.eval_command(args, ScriptedEngine(str(tmp_path / "log"))) == 1
     err = capsys.readouterr().err
-    assert err.count("failed: epikv-eval gsm8k full Kfull") == 2 and "ConfigMismatchError" in err
+    assert err.count("epikv eval: failed: epikv-eval gsm8k full Kfull") == 2 and "ConfigMismatchError" in err
     assert "run the same command again" in err
     assert len(read_results(out / "gsm8k/streaming/K64/results.shard-0-of-2.jsonl")) == 3
 

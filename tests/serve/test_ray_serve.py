@@ -78,3 +78,26 @@ def test_replica_flags_without_replicas_and_replicas_without_ray(
         capsys.readouterr().err
         == "epikv: error: Ray is not installed; install it with: pip install 'epikv[ray]'\n"
     )
+
+
+def test_replica_settings_are_the_serve_flags() -> None:
+    from epikv.cli import build_parser
+
+    argv = ["serve", "--ray-replicas", "2", "--model", "m/x", "--policy", "streaming", "--budget", "99"]
+    argv += ["--param", "n_sink=2", "--kv-pool", "4096", "--max-tokens", "64", "--threads", "3"]
+    settings = ReplicaSettings.from_args(build_parser().parse_args(argv))
+    assert (settings.model, settings.policy, settings.budget, settings.params) == (
+        "m/x",
+        "streaming",
+        "99",
+        ("n_sink=2",),
+    )
+    assert (settings.kv_pool, settings.max_tokens, settings.threads, settings.max_waiting) == (
+        4096,
+        64,
+        3,
+        64,
+    )
+    assert settings.budget_tokens() == 99
+    with pytest.raises(ValueError):
+        ReplicaSettings(policy="streaming", params=("no_such_field=1",)).budget_tokens()

@@ -169,7 +169,7 @@ def _collect(ray: Any, refs: dict[Any, EvalConfig], progress: _Progress, poll_se
             except Exception as err:  # any task error or lost worker; the others go on
                 failure = ShardFailure(refs[ref], _describe(err))
                 failures.append(failure)
-                progress.bar.write(f"failed: {_task_name(failure.config)}: {failure.error}")
+                progress.bar.write(f"failed: {_task_name(failure.config)}: {failure.error}", file=sys.stderr)
         progress.advance()
     return RayRun(outcomes, failures)
 

@@ -44,10 +44,8 @@ class ReplicaSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplicaSettings:
-        return cls(
-            args.model, args.served_model_name, args.policy, args.budget, args.interval, tuple(args.param),
-            args.attention, args.kv_pool, args.max_batch, args.max_waiting, args.max_tokens, args.threads,
-        )  # fmt: skip
+        names = [name for name in cls.__dataclass_fields__ if name != "params"]
+        return cls(params=tuple(args.param), **{name: getattr(args, name) for name in names})
 
     def budget_tokens(self) -> int | None:
         """The budget as the engine takes it; raises ValueError for a bad budget or policy parameter,
