@@ -18,6 +18,7 @@ from typing import Any
 from epikv.eval.config import EvalConfig
 from epikv.eval.plots import draw_all
 from epikv.eval.protocol import EngineFactory, Generator
+from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_requested
 from epikv.eval.report import format_table, report
 from epikv.eval.runner import run_eval
 from epikv.eval.runs import load_runs
@@ -77,6 +78,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--out", required=True, help="output folder")
+    add_ray_arguments(parser)
     parser.set_defaults(func=eval_command)
     return parser
 
@@ -135,6 +137,8 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
         configs = configs_from_args(args)
     except ValueError as err:
         raise SystemExit(f"epikv eval: {err}") from err
+    if ray_requested(args):
+        return ray_eval_command(args, configs, engine)
     # Resolved at call time so tests can replace the module-level factory.
     engine = engine or _default_generator_factory(args.model)
     folders = []

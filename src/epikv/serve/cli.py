@@ -6,6 +6,8 @@ import argparse
 import logging
 from typing import Any
 
+from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
+
 log = logging.getLogger(__name__)
 
 
@@ -32,10 +34,13 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--drain-seconds", type=float, default=5.0, help="on SIGTERM, wait this long, then cancel")
+    add_ray_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if ray_requested(args):
+        return serve_on_ray(args)
     try:
         import uvicorn
 
