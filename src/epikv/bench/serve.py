@@ -52,9 +52,15 @@ class ServeBenchConfig:
             raise ValueError("max_tokens must be >= 2, budget and rounds >= 1")
 
 
-# A few minutes on 2 cores.
+# A few minutes on an idle 2-core machine: two policies, short requests, a small K so that the
+# capacity run shows the pool holding more evicting requests than full-cache ones.
 QUICK = ServeBenchConfig(
-    policies=("full", "epikv"), concurrency=(1, 4), max_tokens=64, pool_requests=2, capacity_requests=6
+    policies=("full", "streaming"),
+    budget=64,
+    concurrency=(1, 4),
+    max_tokens=128,
+    pool_requests=2,
+    capacity_requests=8,
 )
 
 
