@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from epikv.errors import run_command
 from epikv.policies import ALIASES, policy_class, policy_names
 
 
@@ -174,11 +175,7 @@ _EXTENSIONS: list[tuple[str, list[str]]] = [
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"epikv: error: {err}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args)  # one line and status 2 for a user's mistake (epikv.errors)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def test_eval_rejects_bad_arguments_before_loading_anything(tmp_path: Path) -> N
             str(tmp_path),
         ]
     )
-    with pytest.raises(SystemExit, match="shard"):
+    with pytest.raises(ValueError, match="shard"):
         cli.eval_command(args, engine=engine)
     assert engine.built == []
 
@@ -177,3 +177,19 @@ def test_sampling_options_reach_the_config() -> None:
     (config,) = cli.configs_from_args(args)
     assert (config.temperature, config.top_p, config.n_samples, config.shard) == (0.6, 0.95, 4, "1/4")
     assert config.budget == 1024 and config.max_new_tokens is None
+
+
+def test_a_concurrent_eval_into_a_locked_folder_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fcntl = pytest.importorskip("fcntl")
+    from epikv.cli import main
+
+    monkeypatch.setattr(cli, "_default_generator_factory", RecordingEngine().factory_for)
+    argv = ["eval", "--dataset", "gsm8k", "--policy", "full", "--no-progress", "--out", str(tmp_path)]
+    assert main([*argv, "--limit", "1"]) == 0
+    with (tmp_path / "gsm8k" / "full" / "Kfull" / "results.jsonl").open("a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another process is writing this run
+        assert main([*argv, "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epikv: error: another process is already writing") and err.count("\n") == 1

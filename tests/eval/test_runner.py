@@ -8,7 +8,7 @@ import pytest
 
 from epikv.eval.config import ConfigMismatchError, EvalConfig
 from epikv.eval.records import read_results
-from epikv.eval.runner import WorkItem, batches, plan_work, run_eval
+from epikv.eval.runner import RunFolderBusyError, WorkItem, batches, plan_work, run_eval
 from epikv.eval.tasks import load_task
 
 from .fakes import FakeFactory, FakeGenerator, FakeResult, boxed
@@ -195,7 +195,7 @@ def test_second_writer_of_the_same_shard_fails_fast(tmp_path: Path) -> None:
     run_eval(config(tmp_path, limit=1), FakeFactory(FakeGenerator(right_answers)))
     with (folder(tmp_path) / "results.jsonl").open("a") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        with pytest.raises(RuntimeError, match="another process is already writing"):
+        with pytest.raises(RunFolderBusyError, match="another process is already writing"):
             run_eval(config(tmp_path, limit=2), FakeFactory(FakeGenerator(right_answers)))
 
 

@@ -41,6 +41,10 @@ from epikv.eval.records import (
 from epikv.eval.tasks import Example, Task, load_task
 
 
+class RunFolderBusyError(OSError):
+    """Another process holds the lock of this run folder's results file (a concurrent eval)."""
+
+
 @dataclass(frozen=True)
 class WorkItem:
     example: Example
@@ -141,7 +145,9 @@ def _exclusive_append(path: Path) -> Iterator[IO[str]]:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:
-            raise RuntimeError(f"another process is already writing {path}") from err
+            raise RunFolderBusyError(
+                f"another process is already writing {path}: wait for it, or use another --out"
+            ) from err
         yield handle
 
 

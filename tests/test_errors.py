@@ -1,0 +1,85 @@
+"""One line and an exit status for every mistake a user can make (issue #12 item 7)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import epikv.models
+from epikv.cli import main
+from epikv.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Interrupted, one_line
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line a failure prints ("[epikv] ..." status lines, e.g. the spec in use, aside)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("[epikv] ")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("/nonexistent", "epikv: error: model '/nonexistent': no such local folder"),
+        ("random:tiny-llama", "epikv: error: model 'random:tiny-llama' has random weights"),
+    ],
+)
+def test_a_model_that_cannot_load_is_one_line(capsys, model, message):
+    assert main(["generate", "--model", model, "hi"]) == 2
+    assert error_line(capsys).startswith(message)
+
+
+def test_a_multi_line_library_message_becomes_one_line(capsys, monkeypatch):
+    def offline(name, **kwargs):
+        raise epikv.models.ModelLoadError(f"could not load model {name!r}: We couldn't connect.\nCheck it.")
+
+    monkeypatch.setattr(epikv.models, "load_model", offline)
+    assert main(["generate", "--model", "org/name", "hi"]) == 2
+    line = error_line(capsys)
+    assert line == "epikv: error: could not load model 'org/name': We couldn't connect. Check it."
+
+
+def test_a_bad_policy_parameter_is_one_line(capsys):
+    assert main(["generate", "--param", "window=abc", "hi"]) == 2
+    assert error_line(capsys) == "epikv: error: epikv-segq: parameter window='abc' is not an integer"
+
+
+def test_verbose_keeps_the_traceback(capsys):
+    with pytest.raises(OSError, match="no such local folder"):
+        main(["-v", "generate", "--model", "/nonexistent", "hi"])
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    # `epikv policies --json | head`: the pipe is closed before anything is written.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "epikv.cli", "policies", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+    )
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=60) == EXIT_BROKEN_PIPE
+    assert err == ""
+
+
+def test_ctrl_c_exits_130_with_what_was_kept(capsys, monkeypatch):
+    import epikv.cli as cli
+
+    def interrupted(args):
+        raise Interrupted("kept 3 results in runs/x")
+
+    monkeypatch.setattr(cli, "cmd_policies", interrupted)
+    assert main(["policies"]) == EXIT_INTERRUPTED
+    assert error_line(capsys) == "epikv: interrupted: kept 3 results in runs/x"
+
+
+def test_one_line_names_an_empty_error():
+    assert one_line(ValueError()) == "ValueError"
+    assert one_line(OSError("a\n  b")) == "a b"
