@@ -137,12 +137,17 @@ def test_eval_says_and_records_which_bands_each_run_uses(
     assert json.loads((tmp_path / "gsm8k" / "streaming" / "K256" / "spec.json").read_text())["bands"] is None
 
 
-def test_report_prints_the_table_before_plotting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_prints_the_table_before_plotting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     make_run(tmp_path, "h2o", 256, [(True, False, 1.0), (False, False, 1.0)])
-    blocked = tmp_path / "plots"
-    blocked.write_text("")  # a file where the figures' folder should be: drawing fails
-    args = parser().parse_args(["report", str(tmp_path), "--plots", str(blocked)])
-    with pytest.raises(OSError):
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("drawing failed")
+
+    monkeypatch.setattr(cli, "draw_all", broken)
+    args = parser().parse_args(["report", str(tmp_path), "--plots", str(tmp_path / "plots")])
+    with pytest.raises(RuntimeError, match="drawing failed"):
         args.func(args)
     assert "| math500 | h2o | 256 | 2 | 50.0 [" in capsys.readouterr().out
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from epikv.bench import io
+from epikv.outputs import check_output_dir, check_output_file
 
 KINDS = ("memory", "speed", "fidelity", "capacity", "peer", "serve")
 # One line each for `epikv bench --help` (the run functions' docstrings are written for readers of code).
@@ -139,6 +140,7 @@ def build_config(kind: str, args: argparse.Namespace) -> Any:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     config = build_config(args.kind, args)
+    check_output_dir(args.out)  # before minutes of measuring (issue #12)
     _, _, run, plot = _kind(args.kind)
     document = run(config, reporter=io.Reporter(announce=_announce, progress=not args.no_progress))
     if not document["config"].get("cache_specs"):
@@ -157,6 +159,8 @@ def _announce(line: str) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    if args.png is not None:
+        check_output_file(args.png, "--png")
     kind = io.read_result(args.result)["kind"]
     if kind not in KINDS:
         raise ValueError(f"{args.result}: unknown benchmark kind {kind!r}")

@@ -18,6 +18,7 @@ from epikv.calibrate.occlusion import FILLERS, LABELS, LabelSettings
 from epikv.calibrate.pipeline import KEEP, CalibrationConfig
 from epikv.calibrate.signals import SIGNALS
 from epikv.calibrate.traces import DEFAULT_MARKERS
+from epikv.outputs import check_output_dir
 from epikv.profiles import BandProfile, weak_signal_warnings
 
 # --quick: a smoke run that finishes in a few minutes on two CPU cores (see docs/calibration.md).
@@ -111,6 +112,7 @@ def reuse_config(args: argparse.Namespace) -> CalibrationConfig:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from epikv.calibrate.pipeline import run_calibration
 
+    check_output_dir(args.out)
     config = config_from_args(args)
     if args.threads:
         import torch

@@ -22,6 +22,7 @@ from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_reque
 from epikv.eval.report import format_table, report
 from epikv.eval.runner import run_eval
 from epikv.eval.runs import load_runs
+from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
 from epikv.spec import parse_budget, parse_policy_params
 
@@ -134,6 +135,7 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
 def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) -> int:
     """Runs every (policy, budget) config, then prints the table of the runs it touched."""
     configs = configs_from_args(args)  # a ValueError is one line from `epikv` (epikv.errors)
+    check_output_dir(args.out)
     if ray_requested(args):
         return ray_eval_command(args, configs, engine)
     # Resolved at call time so tests can replace the module-level factory.
@@ -174,6 +176,8 @@ class _Bound:
 
 def report_command(args: argparse.Namespace) -> int:
     """Prints the table of every run under the given folders, then draws the figures if asked."""
+    if args.plots:
+        check_output_dir(args.plots, "--plots")
     runs = load_runs(args.dirs, regrade_text=getattr(args, "regrade", False))
     # The table goes out before any figure is drawn, so a plotting failure cannot hide it (issue #12).
     print(format_table(runs), flush=True)
