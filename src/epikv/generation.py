@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from epikv.engine import Engine, Request, SamplingParams
-from epikv.integration import build_spec
+from epikv.engine import Engine, PromptFit, Request, SamplingParams, prompt_fit
+from epikv.integration import build_spec, model_info
 
 Prompt = str | list[dict[str, str]]
 
@@ -178,11 +178,18 @@ def make_generator(
     # Resolved once, so a profile written while a run goes on cannot change its bands midway.
     spec = build_spec(model, policy, budget, interval=interval, params=policy_params)
 
+    context = model_info(model).context_length
+
     def run(prompts: list[list[dict[str, str]]], sampling: SamplingConfig) -> list[SequenceResult]:
         return generate(model, tokenizer, prompts, spec, sampling=sampling)
 
+    def fit(prompts: list[list[dict[str, str]]]) -> list[PromptFit]:
+        """Whether each prompt can run here (the engine's own rules), before any generation."""
+        return [prompt_fit(spec, context, len(ids)) for ids in encode_prompt_ids(tokenizer, prompts)]
+
     run.resolved_policy = spec.policy.config()  # type: ignore[attr-defined]
     run.spec = spec  # type: ignore[attr-defined]
+    run.fit = fit  # type: ignore[attr-defined]
     return run
 
 

@@ -6,7 +6,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from epikv.engine import PromptFit, prompt_fit
 from epikv.eval.protocol import Messages
+from epikv.policies.base import ModelInfo
+from epikv.spec import CacheSpec
 
 
 @dataclass
@@ -31,13 +34,35 @@ def boxed(answer: str, n_tokens: int = 20) -> FakeResult:
     )
 
 
+# A model shape for specs built without a model (the fakes check prompts with the engine's rules).
+FAKE_MODEL = ModelInfo("fake", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+
+
+def fake_spec(policy: str = "random", budget: int | None = 512) -> CacheSpec:
+    return CacheSpec.build(FAKE_MODEL, policy, budget)
+
+
+def word_count(messages: Messages) -> int:
+    """The fakes' tokenizer: one token per word of every message."""
+    return sum(len(message["content"].split()) for message in messages)
+
+
 @dataclass
 class FakeGenerator:
-    """Answers each prompt with `respond(problem)`; records the problems and sampling of each call."""
+    """Answers each prompt with `respond(problem)`; records the problems and sampling of each call.
+    With a `spec`, `fit` checks prompts (one token per word) by the engine's rules, as the real
+    generator does; without one every prompt fits."""
 
     respond: Callable[[str], FakeResult]
     calls: list[tuple[list[str], Any]] = field(default_factory=list)
     fail_after_calls: int | None = None
+    spec: CacheSpec | None = None
+    context_length: int | None = None
+
+    def fit(self, prompts: list[Messages]) -> list[PromptFit]:
+        if self.spec is None:
+            return [PromptFit(word_count(messages)) for messages in prompts]
+        return [prompt_fit(self.spec, self.context_length, word_count(messages)) for messages in prompts]
 
     @property
     def problems_asked(self) -> list[str]:

@@ -2,8 +2,18 @@
 their rows, a runner that executes one forward, and the :class:`Engine` that drives them.
 Every decode in epikv runs here (see :mod:`epikv.engine.engine`)."""
 
-from epikv.engine.engine import Engine
+from epikv.engine.engine import Engine, PromptFit, prompt_fit
 from epikv.engine.request import Completion, Request, SamplingParams
 from epikv.engine.scheduler import QueueFull, Scheduler, SchedulerLimits
 
-__all__ = ["Completion", "Engine", "QueueFull", "Request", "SamplingParams", "Scheduler", "SchedulerLimits"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "PromptFit",
+    "QueueFull",
+    "Request",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerLimits",
+    "prompt_fit",
+]

@@ -30,6 +30,33 @@ from epikv.spec import CacheSpec
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PromptFit:
+    """Whether a prompt can run: its length, why not (None when it can), and the smallest budget that
+    holds its protected tokens (None for a spec that never evicts, or when no budget helps)."""
+
+    prompt_tokens: int
+    problem: str | None = None
+    min_budget: int | None = None
+
+
+def prompt_fit(
+    spec: CacheSpec, context_length: int | None, prompt_tokens: int, budget: int | None = None
+) -> PromptFit:
+    """The rules :meth:`Engine.validate` applies to a prompt, as data, so callers can check many
+    prompts before any compute: longer than the model's context (no budget helps), or protected
+    tokens that do not fit the budget (``budget``: a request's own K; None = the spec's)."""
+    if context_length is not None and prompt_tokens > context_length:
+        problem = f"the prompt has {prompt_tokens} tokens but the model's context is {context_length} tokens"
+        return PromptFit(prompt_tokens, problem)
+    smallest = spec.min_budget(prompt_tokens) if spec.evicts else None
+    try:
+        spec.check_prompt(prompt_tokens, budget)
+    except ValueError as error:
+        return PromptFit(prompt_tokens, str(error), smallest)
+    return PromptFit(prompt_tokens, None, smallest)
+
+
 @dataclass
 class _Live:
     """A request that has been prefilled (row i of the running cache is ``Engine.rows[i]``)."""
@@ -75,10 +102,10 @@ class Engine:
             raise ValueError(
                 f"a request's budget must be at most the engine's ({self.spec.budget}), got {request.budget}"
             )
-        self.spec.check_prompt(request.prompt_tokens, request.budget)
+        fit = prompt_fit(self.spec, self.context_length, request.prompt_tokens, request.budget)
+        if fit.problem is not None:
+            raise ValueError(fit.problem)
         context, tokens = self.context_length, request.prompt_tokens
-        if context is not None and tokens > context:
-            raise ValueError(f"the prompt has {tokens} tokens but the model's context is {context} tokens")
         if context is not None and tokens + request.max_new_tokens > context:
             log.warning(
                 "request %s: %d prompt + %d new tokens run past the model's context of %d",

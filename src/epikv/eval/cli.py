@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from epikv.eval.config import EvalConfig
+from epikv.eval.fit import unfit_error
 from epikv.eval.plots import draw_all
 from epikv.eval.protocol import EngineFactory, Generator
 from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_requested
 from epikv.eval.report import format_table, report
-from epikv.eval.runner import run_eval
+from epikv.eval.runner import check_plan, execute, plan_run
 from epikv.eval.runs import load_runs
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
@@ -76,6 +77,12 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="policy hyperparameter, parsed by the policy's field type (repeatable)",
+    )
+    parser.add_argument(
+        "--skip-unfit",
+        action="store_true",
+        help="record problems whose prompt cannot run under a (policy, budget) as skipped "
+        "(counted apart, never as wrong) instead of stopping before any work",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--out", required=True, help="output folder")
@@ -133,22 +140,34 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
 
 
 def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) -> int:
-    """Runs every (policy, budget) config, then prints the table of the runs it touched."""
+    """Plans every (policy, budget) config and checks every owed prompt under each before anything
+    is generated; then runs them and prints the table of the runs it touched."""
     configs = configs_from_args(args)  # a ValueError is one line from `epikv` (epikv.errors)
     check_output_dir(args.out)
     if ray_requested(args):
         return ray_eval_command(args, configs, engine)
+    plans = [plan_run(config) for config in configs]
     # Resolved at call time so tests can replace the module-level factory.
     engine = engine or _default_generator_factory(args.model)
+    # Built only for runs that owe work, so a finished run never loads a model.
+    bound = [_Bound(engine, plan.config) for plan in plans]
+    generators = [
+        b(p.config.policy, p.config.budget) if p.work else None for p, b in zip(plans, bound, strict=True)
+    ]
+    checks = [check_plan(p, g) if g is not None else None for p, g in zip(plans, generators, strict=True)]
+    unfit = [c for c in checks if c is not None and c.unfit]
+    if unfit and not args.skip_unfit:
+        raise unfit_error(unfit)
+    for check in unfit:
+        print(f"skipping (--skip-unfit): {check.describe()}")
     folders = []
-    for config in configs:
-        factory = _Bound(engine, config)
-        outcome = run_eval(config, factory)
+    for plan, generator, check, factory in zip(plans, generators, checks, bound, strict=True):
+        outcome = execute(plan, generator, check)
         factory.save_spec(outcome.folder)
         folders.append(outcome.folder)
         accuracy = outcome.summary["accuracy"]
         shown = "–" if accuracy is None else f"{accuracy:.3f}"
-        print(f"{outcome.folder}: generated {outcome.generated}, accuracy {shown}")
+        print(f"{outcome.folder}: generated {outcome.generated}, skipped {outcome.skipped}, accuracy {shown}")
     print(report(folders))
     return 0
 

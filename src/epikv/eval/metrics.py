@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from epikv.eval.records import ExampleResult
+from epikv.eval.records import ExampleResult, SkippedExample
 
 Z_95 = 1.959963984540054
 
@@ -84,14 +84,16 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
-def summarize(records: Sequence[ExampleResult]) -> dict[str, Any]:
-    """The summary.json object: counts, every metric's value, the accuracy CI and metric descriptions."""
+def summarize(records: Sequence[ExampleResult], skipped: Sequence[SkippedExample] = ()) -> dict[str, Any]:
+    """The summary.json object: counts, every metric's value, the accuracy CI and metric descriptions.
+    Skipped examples (prompts that could not run) are counted apart and enter no metric."""
     correct = sum(r.correct for r in records)
     low, high = wilson_interval(correct, len(records))
     summary: dict[str, Any] = {
         "n": len(records),
         "n_problems": len({r.id for r in records}),
         "n_correct": correct,
+        "n_skipped": len(skipped),
     }
     for metric in METRICS:
         summary[metric.name] = metric.compute(records)

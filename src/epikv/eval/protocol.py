@@ -31,8 +31,20 @@ class SequenceResultLike(Protocol):
     seconds: float
 
 
+class PromptFitLike(Protocol):
+    """The attributes of `epikv.engine.PromptFit` that evaluation reads."""
+
+    prompt_tokens: int
+    problem: str | None
+    min_budget: int | None
+
+
 class Generator(Protocol):
-    """Generates one completion per prompt with model, policy and budget already bound."""
+    """Generates one completion per prompt with model, policy and budget already bound.
+
+    The engine's generators also have ``fit(prompts) -> Sequence[PromptFitLike]``, which says
+    whether each prompt can run, before anything is generated; evaluation uses it when present.
+    """
 
     def __call__(
         self, prompts: list[Messages], sampling: SamplingConfig, /

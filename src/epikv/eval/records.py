@@ -1,10 +1,13 @@
 """Per-example results and the files that hold them.
 
 Owns the `ExampleResult` record, its JSONL files (`results.jsonl`, or `results.shard-I-of-N.jsonl`
-per shard) and their crash-safety rules: each record is one line written with a single write, then
-flushed and fsynced, so a kill loses at most the examples in flight and can leave at most one torn
-last line, which `repair_tail` truncates and readers ignore. Merging dedupes by (id, sample) and
-refuses conflicting duplicates. It does not grade or compute metrics.
+per shard), the `SkippedExample` record of a problem that could not run (its prompt does not fit the
+budget or the model's context; in `skipped.jsonl` or `skipped.shard-I-of-N.jsonl`: counted apart,
+never graded, so a skip is never a wrong answer) and the files' crash-safety rules: each record is
+one line written with a single write, then flushed and fsynced, so a kill loses at most the examples
+in flight and can leave at most one torn last line, which `repair_tail` truncates and readers ignore.
+Merging dedupes by (id, sample) and refuses conflicting duplicates. It does not grade or compute
+metrics.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 RESULTS_GLOB = "results*.jsonl"
+SKIPPED_GLOB = "skipped*.jsonl"
 # Fields that must agree between two copies of the same (id, sample); timings may differ.
 _CONTENT_FIELDS = ("correct", "extracted", "gold", "tokens_generated", "finish_reason")
+_Record = TypeVar("_Record")
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,32 @@ class ExampleResult:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def results_filename(shard_index: int, shard_count: int) -> str:
+@dataclass(frozen=True)
+class SkippedExample:
+    """A (problem, sample) that was not generated because its prompt cannot run: one JSON line."""
+
+    id: str
+    sample: int
+    reason: str
+    prompt_tokens: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.id, self.sample
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SkippedExample:
+        return cls(str(data["id"]), int(data["sample"]), str(data["reason"]), int(data["prompt_tokens"]))
+
+
+def results_filename(shard_index: int, shard_count: int, kind: str = "results") -> str:
+    """`results.jsonl` (or `skipped.jsonl` for ``kind="skipped"``), with the shard in the name."""
     if shard_count == 1:
-        return "results.jsonl"
-    return f"results.shard-{shard_index}-of-{shard_count}.jsonl"
+        return f"{kind}.jsonl"
+    return f"{kind}.shard-{shard_index}-of-{shard_count}.jsonl"
 
 
 def _parses(line: bytes) -> bool:
@@ -105,21 +132,30 @@ def repair_tail(path: Path) -> int:
 
 def read_results(path: Path) -> list[ExampleResult]:
     """The records of one file, ignoring a torn last line; a bad line elsewhere is an error."""
+    return _read_lines(path, ExampleResult.from_dict)
+
+
+def read_skipped(path: Path) -> list[SkippedExample]:
+    """The skipped records of one file (same rules as :func:`read_results`)."""
+    return _read_lines(path, SkippedExample.from_dict)
+
+
+def _read_lines(path: Path, parse: Callable[[dict[str, Any]], _Record]) -> list[_Record]:
     lines = path.read_bytes().split(b"\n")
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            records.append(ExampleResult.from_dict(json.loads(line)))
-        except ValueError as err:
+            records.append(parse(json.loads(line)))
+        except (ValueError, KeyError, TypeError) as err:
             if number >= len(lines) - 1:
                 continue  # the last line may be torn by a kill mid-write
             raise ValueError(f"{path}:{number}: corrupt result line ({err})") from err
     return records
 
 
-def append_result(handle: IO[str], record: ExampleResult) -> None:
+def append_result(handle: IO[str], record: ExampleResult | SkippedExample) -> None:
     """Writes one line in a single write, then flushes and fsyncs, so it survives a kill."""
     handle.write(record.to_json() + "\n")
     handle.flush()
@@ -148,3 +184,11 @@ def load_run_results(folder: Path) -> list[ExampleResult]:
     """Every record in a run folder, all shard files merged."""
     files = sorted(folder.glob(RESULTS_GLOB))
     return merge_results((read_results(path) for path in files), source=str(folder))
+
+
+def load_skipped(folder: Path) -> list[SkippedExample]:
+    """Every skipped record in a run folder, all shard files merged (one per (id, sample))."""
+    merged: dict[tuple[str, int], SkippedExample] = {}
+    for path in sorted(folder.glob(SKIPPED_GLOB)):
+        merged.update((record.key, record) for record in read_skipped(path))
+    return list(merged.values())

@@ -36,8 +36,10 @@ def format_table(runs: Sequence[RunSummary]) -> str:
         s = run.summary
         low, high = s["accuracy_ci95"]
         accuracy = f"{_percent(s['accuracy'])} [{_percent(low)}, {_percent(high)}]"
+        skipped = s.get("n_skipped") or 0  # prompts that could not run: never counted as wrong
+        n = f"{s['n']} (+{skipped} skipped)" if skipped else str(s["n"])
         rows.append(
-            f"| {run.dataset} | {run.policy} | {run.budget_label} | {s['n']} | {accuracy} "
+            f"| {run.dataset} | {run.policy} | {run.budget_label} | {n} | {accuracy} "
             f"| {_percent(s['cap_hit_rate'])} | {_percent(s['loop_rate'])} "
             f"| {_number(s['mean_tokens'], 0)} | {_number(s['seconds_per_problem'], 2)} |"
         )

@@ -1,9 +1,10 @@
-"""Running one evaluation config: plan, generate in batches, grade, record, summarise.
+"""Running one evaluation config: plan, check, generate in batches, grade, record, summarise.
 
-Owns the run folder's life cycle: config check (resume vs. mismatch), the list of (example, sample)
-pairs this shard still owes, batched calls to the generator, and appending each graded record as it
-finishes. It never grades by itself (the task does) and never knows the model or policy beyond the
-names it passes to the generator factory.
+Owns the run folder's life cycle: a plan that writes nothing (config check, resume vs. mismatch, the
+(example, sample) pairs this shard still owes), the check of every owed prompt before any generation
+(``fit.py``), batched calls to the generator, appending each graded record as it finishes, and
+recording the problems that were skipped. It never grades by itself (the task does) and never knows
+the model or policy beyond the names it passes to the generator factory.
 """
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ from epikv.eval.config import (
     run_dir,
     saved_form,
 )
+from epikv.eval.fit import FitReport, Unfit, check_fit, unfit_error
 from epikv.eval.loops import LoopConfig, detect_loop
 from epikv.eval.metrics import summarize
 from epikv.eval.prompts import build_messages
-from epikv.eval.protocol import GeneratorFactory, SequenceResultLike, make_sampling
+from epikv.eval.protocol import Generator, GeneratorFactory, SequenceResultLike, make_sampling
 from epikv.eval.records import (
     ExampleResult,
+    SkippedExample,
     append_result,
     load_run_results,
+    load_skipped,
     repair_tail,
     results_filename,
 )
@@ -57,6 +61,7 @@ class RunOutcome:
     config: EvalConfig
     generated: int
     summary: dict[str, Any]
+    skipped: int = 0
 
 
 def plan_work(
@@ -170,9 +175,8 @@ def _check_resolved_policy(folder: Path, resolved: dict[str, Any] | None) -> Non
 
 
 def _generate_all(
-    config: EvalConfig, task: Task, work: list[WorkItem], factory: GeneratorFactory, handle: IO[str]
+    config: EvalConfig, task: Task, work: list[WorkItem], generator: Generator, handle: IO[str]
 ) -> None:
-    generator = factory(config.policy, config.budget)
     _check_resolved_policy(Path(handle.name).parent, getattr(generator, "resolved_policy", None))
     loop_config = LoopConfig()
     correct = finished = 0
@@ -198,25 +202,97 @@ def _generate_all(
             bar.set_postfix(acc=f"{correct / finished:.3f}")
 
 
-def run_eval(config: EvalConfig, make_generator: GeneratorFactory) -> RunOutcome:
-    """Runs (or resumes) one config and writes summary.json; returns what it did.
+def _done_keys(folder: Path) -> set[tuple[str, int]]:
+    """(id, sample) pairs with a result or a skip record in any file of the folder."""
+    if not folder.is_dir():
+        return set()
+    return {r.key for r in load_run_results(folder)} | {r.key for r in load_skipped(folder)}
 
-    Finished (id, sample) pairs found in any results file of the folder are skipped. The generator
-    is only built when something is left to generate, so a finished run never loads a model.
-    """
+
+@dataclass
+class RunPlan:
+    """One config resolved against its task, and the (example, sample) pairs this shard owes.
+    Planning writes nothing: a plan that is never run leaves no trace."""
+
+    config: EvalConfig
+    task: Task
+    folder: Path
+    shard: tuple[int, int]
+    work: list[WorkItem]
+
+    @property
+    def label(self) -> str:
+        return f"{self.config.policy} {self.config.budget_label}"
+
+    @property
+    def owed_examples(self) -> list[Example]:
+        return list({item.example.id: item.example for item in self.work}.values())
+
+
+def plan_run(config: EvalConfig) -> RunPlan:
+    """Loads and slices the task, checks a saved config.json against ``config`` and lists the work
+    left, without creating anything."""
     task = load_task(config.dataset).slice(config.offset, config.limit)
     config = resolve(config, task.max_new_tokens)
     folder = run_dir(config, task.name)
-    prepare_folder(folder, config)
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        check_compatible(json.loads(config_path.read_text(encoding="utf-8")), saved_form(config), folder)
     shard = parse_shard(config.shard)
-    results_path = folder / results_filename(*shard)
+    return RunPlan(config, task, folder, shard, plan_work(task, config.n_samples, shard, _done_keys(folder)))
+
+
+def check_plan(plan: RunPlan, generator: Generator) -> FitReport:
+    """Which of the plan's owed problems cannot run under ``generator`` (see ``fit.py``)."""
+    return check_fit(generator, plan.owed_examples, plan.config.system_prompt, plan.label)
+
+
+def execute(plan: RunPlan, generator: Generator | None, skip: FitReport | None = None) -> RunOutcome:
+    """Runs a plan: the problems in ``skip`` are recorded as skipped, the rest generated and graded;
+    then summary.json. Work is listed again under the results file's lock (another shard may have
+    finished some); ``generator`` may be None only when the plan owed nothing."""
+    config, folder = plan.config, plan.folder
+    prepare_folder(folder, config)
+    results_path = folder / results_filename(*plan.shard)
+    unfit = {u.example.id: u for u in (skip.unfit if skip else ())}
     with _exclusive_append(results_path) as handle:
         repair_tail(results_path)
-        done = {record.key for record in load_run_results(folder)}
-        work = plan_work(task, config.n_samples, shard, done)
+        work = plan_work(plan.task, config.n_samples, plan.shard, _done_keys(folder))
+        skipped = [item for item in work if item.example.id in unfit]
+        work = [item for item in work if item.example.id not in unfit]
+        _record_skipped(folder / results_filename(*plan.shard, kind="skipped"), skipped, unfit)
         if work:
-            _generate_all(config, task, work, make_generator, handle)
-    summary = summarize(load_run_results(folder))
-    summary["n_expected"] = len(task) * config.n_samples
+            if generator is None:
+                raise RuntimeError(f"{folder}: {len(work)} examples appeared to generate without a generator")
+            _generate_all(config, plan.task, work, generator, handle)
+    summary = summarize(load_run_results(folder), load_skipped(folder))
+    summary["n_expected"] = len(plan.task) * config.n_samples
     _write_json_atomic(folder / "summary.json", summary)
-    return RunOutcome(folder, config, len(work), summary)
+    return RunOutcome(folder, config, len(work), summary, len(skipped))
+
+
+def _record_skipped(path: Path, items: list[WorkItem], unfit: dict[str, Unfit]) -> None:
+    if not items:
+        return
+    with path.open("a", encoding="utf-8") as handle:
+        for item in items:
+            why = unfit[item.example.id]
+            record = SkippedExample(item.example.id, item.sample, why.problem, why.prompt_tokens)
+            append_result(handle, record)
+
+
+def run_eval(config: EvalConfig, make_generator: GeneratorFactory, skip_unfit: bool = False) -> RunOutcome:
+    """Runs (or resumes) one config and writes summary.json; returns what it did.
+
+    Finished (id, sample) pairs found in any results file of the folder are skipped. The generator
+    is only built when something is left to generate, so a finished run never loads a model. Every
+    owed prompt is checked before any generation: one that cannot run stops the run before anything
+    is written (:class:`~epikv.eval.fit.UnfitPromptsError`), or with ``skip_unfit`` is recorded as
+    skipped.
+    """
+    plan = plan_run(config)
+    generator = make_generator(plan.config.policy, plan.config.budget) if plan.work else None
+    report = check_plan(plan, generator) if generator is not None else None
+    if report is not None and report.unfit and not skip_unfit:
+        raise unfit_error([report])
+    return execute(plan, generator, report)

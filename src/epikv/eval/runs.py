@@ -1,9 +1,9 @@
 """Reading finished run folders back: one summary per run, recomputed from its files.
 
 Owns discovery of run folders under the given paths, the `RunSummary` of each and regrading stored
-completions. Everything comes from the files (`config.json`, `results*.jsonl`), never from a live
-run, so summaries can be rebuilt at any time and shards written by separate processes are merged
-here. The table (`report.py`) and the figures (`plots.py`) both read these summaries.
+completions. Everything comes from the files (`config.json`, `results*.jsonl`, `skipped*.jsonl`),
+never from a live run, so summaries can be rebuilt at any time and shards written by separate
+processes are merged here. The table (`report.py`) and the figures (`plots.py`) both read these summaries.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from epikv.eval.metrics import summarize
-from epikv.eval.records import RESULTS_GLOB, ExampleResult, load_run_results
+from epikv.eval.records import RESULTS_GLOB, SKIPPED_GLOB, ExampleResult, load_run_results, load_skipped
 from epikv.eval.tasks import load_task
 
 
@@ -33,7 +33,8 @@ class RunSummary:
 
 
 def _is_run_folder(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob(RESULTS_GLOB))
+    records = [*folder.glob(RESULTS_GLOB), *folder.glob(SKIPPED_GLOB)]
+    return (folder / "config.json").is_file() and bool(records)
 
 
 def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
@@ -73,7 +74,7 @@ def load_run(folder: Path, regrade_text: bool = False) -> RunSummary:
         dataset=folder.parent.parent.name,
         policy=str(config["policy"]),
         budget=config.get("budget"),
-        summary=summarize(records),
+        summary=summarize(records, load_skipped(folder)),
     )
 
 
