@@ -16,8 +16,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    return error_line_of(capsys.readouterr().err)
+
+
+def error_line_of(err: str) -> str:
     """The one line a failure prints ("[epikv] ..." status lines, e.g. the spec in use, aside)."""
-    err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if not line.startswith("[epikv] ")]
     assert "Traceback" not in err and len(lines) == 1, err
     return lines[0]
@@ -83,3 +86,19 @@ def test_ctrl_c_exits_130_with_what_was_kept(capsys, monkeypatch):
 def test_one_line_names_an_empty_error():
     assert one_line(ValueError()) == "ValueError"
     assert one_line(OSError("a\n  b")) == "a b"
+
+
+def test_ctrl_c_during_generate_says_how_far_it_got(capsys, monkeypatch, tiny_llama, tok):
+    import epikv.generation
+
+    def interrupted_generate(model, tokenizer, prompts, spec, on_token=None, **kwargs):
+        for token in (40, 41, 42):
+            on_token(0, token)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(epikv.models, "load_model", lambda name: (tiny_llama, tok))
+    monkeypatch.setattr(epikv.generation, "generate", interrupted_generate)
+    assert main(["generate", "--policy", "streaming", "hi"]) == EXIT_INTERRUPTED
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n")  # the streamed text's line is ended before the summary
+    assert error_line_of(captured.err) == "epikv: interrupted: after 3 generated tokens (shown above)"

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from epikv.errors import run_command
+from epikv.errors import Interrupted, run_command
 from epikv.policies import ALIASES, policy_class, policy_names
 
 
@@ -65,15 +65,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = spec.policy
     print(f"[epikv] {spec.describe()}", file=sys.stderr)  # which bands, from which profile (issue 12)
     streamer = None if args.json else _Streamer(tokenizer)
-    result = generate(
-        model,
-        tokenizer,
-        [args.prompt],
-        spec,
-        sampling=sampling,
-        chat=not args.raw,
-        on_token=None if streamer is None else streamer.push,
-    )[0]
+    try:
+        result = generate(
+            model,
+            tokenizer,
+            [args.prompt],
+            spec,
+            sampling=sampling,
+            chat=not args.raw,
+            on_token=None if streamer is None else streamer.push,
+        )[0]
+    except KeyboardInterrupt:
+        if streamer is None:
+            raise Interrupted("before the JSON report; generate writes no files") from None
+        print()  # end the streamed text's line
+        raise Interrupted(f"after {len(streamer.ids)} generated tokens (shown above)") from None
     report = {
         **result.to_dict(),
         "tokens_per_second": result.tokens_generated / result.seconds if result.seconds else 0.0,

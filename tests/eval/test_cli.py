@@ -198,3 +198,23 @@ def test_a_concurrent_eval_into_a_locked_folder_is_one_line(
         assert main([*argv, "--limit", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epikv: error: another process is already writing") and err.count("\n") == 1
+
+
+def test_ctrl_c_during_eval_keeps_the_results_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from epikv.cli import main
+
+    def engine(policy: str, budget: int | None, interval: int | None, params: dict[str, Any]) -> Any:
+        gold = {e.problem: e.answer for e in GSM3}
+        return FakeGenerator(lambda problem: boxed(gold[problem]), fail_after_calls=2)  # Ctrl-C
+
+    monkeypatch.setattr(cli, "_default_generator_factory", lambda model: engine)
+    argv = ["eval", "--dataset", "gsm8k", "--policy", "full", "--policy", "streaming", "--budget", "64",
+            "--limit", "3", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"epikv: interrupted: 2 results are kept under {tmp_path} (0 of 2 runs finished); "
+        "run the same command again to resume"
+    )

@@ -15,13 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from epikv.errors import Interrupted
 from epikv.eval.config import EvalConfig
 from epikv.eval.fit import unfit_error
 from epikv.eval.plots import draw_all
 from epikv.eval.protocol import EngineFactory, Generator
 from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_requested
+from epikv.eval.records import load_run_results
 from epikv.eval.report import format_table, report
-from epikv.eval.runner import check_plan, execute, plan_run
+from epikv.eval.runner import RunOutcome, RunPlan, check_plan, execute, plan_run
 from epikv.eval.runs import load_runs
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
@@ -160,16 +162,32 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
         raise unfit_error(unfit)
     for check in unfit:
         print(f"skipping (--skip-unfit): {check.describe()}")
-    folders = []
-    for plan, generator, check, factory in zip(plans, generators, checks, bound, strict=True):
-        outcome = execute(plan, generator, check)
-        factory.save_spec(outcome.folder)
-        folders.append(outcome.folder)
-        accuracy = outcome.summary["accuracy"]
-        shown = "–" if accuracy is None else f"{accuracy:.3f}"
-        print(f"{outcome.folder}: generated {outcome.generated}, skipped {outcome.skipped}, accuracy {shown}")
+    folders: list[Path] = []
+    try:
+        for plan, generator, check, factory in zip(plans, generators, checks, bound, strict=True):
+            outcome = execute(plan, generator, check)
+            factory.save_spec(outcome.folder)
+            folders.append(outcome.folder)
+            print(_outcome_line(outcome))
+    except KeyboardInterrupt:
+        raise Interrupted(_kept(plans, len(folders), args.out)) from None
     print(report(folders))
     return 0
+
+
+def _outcome_line(outcome: RunOutcome) -> str:
+    accuracy = outcome.summary["accuracy"]
+    shown = "–" if accuracy is None else f"{accuracy:.3f}"
+    return f"{outcome.folder}: generated {outcome.generated}, skipped {outcome.skipped}, accuracy {shown}"
+
+
+def _kept(plans: Sequence[RunPlan], finished: int, out: str) -> str:
+    """What an interrupted eval leaves: every result already written stays, and resuming skips them."""
+    results = sum(len(load_run_results(p.folder)) for p in plans if p.folder.is_dir())
+    return (
+        f"{results} results are kept under {out} ({finished} of {len(plans)} runs finished); "
+        "run the same command again to resume"
+    )
 
 
 class _Bound:
