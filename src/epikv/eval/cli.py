@@ -1,7 +1,9 @@
 """Command-line glue for `epikv eval` and `epikv report`.
 
-Owns argument parsing and turning arguments into `EvalConfig`s (one per policy × budget); the
-top-level `epikv` parser lives in `epikv.cli` and calls `add_eval_parser` / `add_report_parser`.
+Owns argument parsing, turning arguments into `EvalConfig`s (one per policy × budget) and the order
+of an eval: plan every run and say what was selected, check every owed prompt under every run, and
+only then generate. The top-level `epikv` parser lives in `epikv.cli` and calls `add_eval_parser` /
+`add_report_parser`.
 The model is reached only through `_default_generator_factory`, which imports the engine lazily so
 that argument parsing, reports and tests never load a model.
 """
@@ -18,13 +20,14 @@ from typing import Any
 from epikv.errors import Interrupted
 from epikv.eval.config import EvalConfig
 from epikv.eval.fit import unfit_error
+from epikv.eval.plan import describe_selection
 from epikv.eval.plots import draw_all
 from epikv.eval.protocol import EngineFactory, Generator
 from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_requested
 from epikv.eval.records import load_run_results
-from epikv.eval.report import format_table, report
+from epikv.eval.report import format_table
 from epikv.eval.runner import RunOutcome, RunPlan, check_plan, execute, plan_run
-from epikv.eval.runs import load_runs
+from epikv.eval.runs import RunSummary, load_runs
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
 from epikv.spec import parse_budget, parse_policy_params
@@ -149,6 +152,7 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     if ray_requested(args):
         return ray_eval_command(args, configs, engine)
     plans = [plan_run(config) for config in configs]
+    print(describe_selection(plans), flush=True)
     # Resolved at call time so tests can replace the module-level factory.
     engine = engine or _default_generator_factory(args.model)
     # Built only for runs that owe work, so a finished run never loads a model.
@@ -162,23 +166,29 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
         raise unfit_error(unfit)
     for check in unfit:
         print(f"skipping (--skip-unfit): {check.describe()}")
-    folders: list[Path] = []
+    runs: list[RunSummary] = []
     try:
         for plan, generator, check, factory in zip(plans, generators, checks, bound, strict=True):
             outcome = execute(plan, generator, check)
             factory.save_spec(outcome.folder)
-            folders.append(outcome.folder)
+            config = outcome.config
+            runs.append(
+                RunSummary(outcome.folder, plan.task.name, config.policy, config.budget, outcome.summary)
+            )
             print(_outcome_line(outcome))
     except KeyboardInterrupt:
-        raise Interrupted(_kept(plans, len(folders), args.out)) from None
-    print(report(folders))
+        raise Interrupted(_kept(plans, len(runs), args.out)) from None
+    print(format_table(runs))  # the selection's numbers (`epikv report` counts whole folders)
     return 0
 
 
 def _outcome_line(outcome: RunOutcome) -> str:
-    accuracy = outcome.summary["accuracy"]
-    shown = "–" if accuracy is None else f"{accuracy:.3f}"
-    return f"{outcome.folder}: generated {outcome.generated}, skipped {outcome.skipped}, accuracy {shown}"
+    s = outcome.summary
+    shown = "–" if s["accuracy"] is None else f"{s['accuracy']:.3f}"
+    line = f"{outcome.folder}: generated {outcome.generated}, skipped {outcome.skipped}, accuracy {shown}"
+    if s["n_outside_selection"]:
+        line += f" ({s['n_outside_selection']} more records in the folder are outside this selection)"
+    return line
 
 
 def _kept(plans: Sequence[RunPlan], finished: int, out: str) -> str:

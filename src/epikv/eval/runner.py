@@ -1,17 +1,19 @@
-"""Running one evaluation config: plan, check, generate in batches, grade, record, summarise.
+"""Running one evaluation config: check, generate in batches, grade, record, summarise.
 
-Owns the run folder's life cycle: a plan that writes nothing (config check, resume vs. mismatch, the
-(example, sample) pairs this shard still owes), the check of every owed prompt before any generation
-(``fit.py``), batched calls to the generator, appending each graded record as it finishes, and
-recording the problems that were skipped. It never grades by itself (the task does) and never knows
-the model or policy beyond the names it passes to the generator factory.
+Owns the run folder's life cycle: the check of every owed prompt before any generation (``fit.py``),
+creating the folder (or resuming it under a lock), batched calls to the generator, appending each
+graded record as it finishes, recording the problems that were skipped, a summary of the selection,
+and removing the folder of a run that failed before its first record. What a run owes is
+``plan.py``'s. It never grades by itself (the task does) and never knows the model or policy beyond
+the names it passes to the generator factory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +25,17 @@ from epikv.eval.config import (
     ConfigMismatchError,
     EvalConfig,
     check_compatible,
-    parse_shard,
-    resolve,
-    run_dir,
     saved_form,
 )
 from epikv.eval.fit import FitReport, Unfit, check_fit, unfit_error
 from epikv.eval.loops import LoopConfig, detect_loop
 from epikv.eval.metrics import summarize
+from epikv.eval.plan import RunPlan, WorkItem, batches, done_keys, plan_run, plan_work
 from epikv.eval.prompts import build_messages
 from epikv.eval.protocol import Generator, GeneratorFactory, SequenceResultLike, make_sampling
 from epikv.eval.records import (
+    RESULTS_GLOB,
+    SKIPPED_GLOB,
     ExampleResult,
     SkippedExample,
     append_result,
@@ -42,17 +44,16 @@ from epikv.eval.records import (
     repair_tail,
     results_filename,
 )
-from epikv.eval.tasks import Example, Task, load_task
+from epikv.eval.tasks import Task
+
+__all__ = [
+    "RunFolderBusyError", "RunOutcome", "RunPlan", "WorkItem", "batches", "check_plan", "execute",
+    "plan_run", "plan_work", "run_eval",
+]  # fmt: skip
 
 
 class RunFolderBusyError(OSError):
     """Another process holds the lock of this run folder's results file (a concurrent eval)."""
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    example: Example
-    sample: int
 
 
 @dataclass(frozen=True)
@@ -62,35 +63,6 @@ class RunOutcome:
     generated: int
     summary: dict[str, Any]
     skipped: int = 0
-
-
-def plan_work(
-    task: Task, n_samples: int, shard: tuple[int, int], done: set[tuple[str, int]]
-) -> list[WorkItem]:
-    """The (example, sample) pairs this shard owes, sample-major so a partial run covers every problem.
-
-    Shard I of N takes the examples at positions p (within the sliced task) with p % N == I.
-    """
-    index, count = shard
-    return [
-        WorkItem(example, sample)
-        for sample in range(n_samples)
-        for position, example in enumerate(task)
-        if position % count == index and (example.id, sample) not in done
-    ]
-
-
-def batches(items: Sequence[WorkItem], batch_size: int) -> Iterator[list[WorkItem]]:
-    """Consecutive groups of at most `batch_size` items; a group never mixes sample indices,
-    because each sample index is generated under its own seed."""
-    group: list[WorkItem] = []
-    for item in items:
-        if group and (len(group) == batch_size or group[0].sample != item.sample):
-            yield group
-            group = []
-        group.append(item)
-    if group:
-        yield group
 
 
 def make_record(
@@ -202,46 +174,6 @@ def _generate_all(
             bar.set_postfix(acc=f"{correct / finished:.3f}")
 
 
-def _done_keys(folder: Path) -> set[tuple[str, int]]:
-    """(id, sample) pairs with a result or a skip record in any file of the folder."""
-    if not folder.is_dir():
-        return set()
-    return {r.key for r in load_run_results(folder)} | {r.key for r in load_skipped(folder)}
-
-
-@dataclass
-class RunPlan:
-    """One config resolved against its task, and the (example, sample) pairs this shard owes.
-    Planning writes nothing: a plan that is never run leaves no trace."""
-
-    config: EvalConfig
-    task: Task
-    folder: Path
-    shard: tuple[int, int]
-    work: list[WorkItem]
-
-    @property
-    def label(self) -> str:
-        return f"{self.config.policy} {self.config.budget_label}"
-
-    @property
-    def owed_examples(self) -> list[Example]:
-        return list({item.example.id: item.example for item in self.work}.values())
-
-
-def plan_run(config: EvalConfig) -> RunPlan:
-    """Loads and slices the task, checks a saved config.json against ``config`` and lists the work
-    left, without creating anything."""
-    task = load_task(config.dataset).slice(config.offset, config.limit)
-    config = resolve(config, task.max_new_tokens)
-    folder = run_dir(config, task.name)
-    config_path = folder / "config.json"
-    if config_path.is_file():
-        check_compatible(json.loads(config_path.read_text(encoding="utf-8")), saved_form(config), folder)
-    shard = parse_shard(config.shard)
-    return RunPlan(config, task, folder, shard, plan_work(task, config.n_samples, shard, _done_keys(folder)))
-
-
 def check_plan(plan: RunPlan, generator: Generator) -> FitReport:
     """Which of the plan's owed problems cannot run under ``generator`` (see ``fit.py``)."""
     return check_fit(generator, plan.owed_examples, plan.config.system_prompt, plan.label)
@@ -250,25 +182,63 @@ def check_plan(plan: RunPlan, generator: Generator) -> FitReport:
 def execute(plan: RunPlan, generator: Generator | None, skip: FitReport | None = None) -> RunOutcome:
     """Runs a plan: the problems in ``skip`` are recorded as skipped, the rest generated and graded;
     then summary.json. Work is listed again under the results file's lock (another shard may have
-    finished some); ``generator`` may be None only when the plan owed nothing."""
+    finished some); ``generator`` may be None only when the plan owed nothing. A run that fails (or
+    is interrupted) before its first record leaves no run folder behind."""
     config, folder = plan.config, plan.folder
-    prepare_folder(folder, config)
-    results_path = folder / results_filename(*plan.shard)
+    own = [folder / results_filename(*plan.shard, kind=kind) for kind in ("results", "skipped")]
     unfit = {u.example.id: u for u in (skip.unfit if skip else ())}
-    with _exclusive_append(results_path) as handle:
-        repair_tail(results_path)
-        work = plan_work(plan.task, config.n_samples, plan.shard, _done_keys(folder))
-        skipped = [item for item in work if item.example.id in unfit]
-        work = [item for item in work if item.example.id not in unfit]
-        _record_skipped(folder / results_filename(*plan.shard, kind="skipped"), skipped, unfit)
-        if work:
-            if generator is None:
-                raise RuntimeError(f"{folder}: {len(work)} examples appeared to generate without a generator")
-            _generate_all(config, plan.task, work, generator, handle)
-    summary = summarize(load_run_results(folder), load_skipped(folder))
-    summary["n_expected"] = len(plan.task) * config.n_samples
+    prepare_folder(folder, config)
+    with _exclusive_append(own[0]) as handle:
+        try:
+            repair_tail(own[0])
+            work = plan_work(plan.task, config.n_samples, plan.shard, done_keys(folder))
+            skipped = [item for item in work if item.example.id in unfit]
+            work = [item for item in work if item.example.id not in unfit]
+            _record_skipped(own[1], skipped, unfit)
+            if work:
+                if generator is None:
+                    raise RuntimeError(f"{folder}: {len(work)} examples to generate and no generator")
+                _generate_all(config, plan.task, work, generator, handle)
+        except BaseException:
+            _discard_if_empty(folder, own, Path(config.out))  # under the lock: no other writer of ours
+            raise
+    summary = summarize_selection(plan)
     _write_json_atomic(folder / "summary.json", summary)
     return RunOutcome(folder, config, len(work), summary, len(skipped))
+
+
+def summarize_selection(plan: RunPlan) -> dict[str, Any]:
+    """summary.json: the metrics of the selected (problem, sample) pairs, what was selected, and how
+    many records the folder holds outside the selection (an earlier, larger --limit): kept, not counted."""
+    selected = plan.selected_keys
+    records = load_run_results(plan.folder)
+    skipped = load_skipped(plan.folder)
+    summary = summarize([r for r in records if r.key in selected], [s for s in skipped if s.key in selected])
+    summary["n_expected"] = len(selected)
+    summary["n_outside_selection"] = sum(r.key not in selected for r in [*records, *skipped])
+    summary["selection"] = plan.selection()
+    return summary
+
+
+def _discard_if_empty(folder: Path, own: list[Path], out: Path) -> None:
+    """After a failure: when the folder holds no record (ours or another shard's), remove what this
+    run wrote and the folders left empty up to ``out``, so no empty run haunts `report` (#12)."""
+    if not folder.is_dir():
+        return
+    files = [*folder.glob(RESULTS_GLOB), *folder.glob(SKIPPED_GLOB)]
+    if any(path not in own or path.stat().st_size for path in files):
+        return
+    for name in (*(path.name for path in own), "config.json", "policy.json", "summary.json"):
+        with contextlib.suppress(OSError):
+            (folder / name).unlink(missing_ok=True)
+    out = out.absolute()
+    for empty in (folder.absolute(), *folder.absolute().parents):
+        if empty == out or out not in empty.parents:
+            break
+        try:
+            empty.rmdir()
+        except OSError:
+            break
 
 
 def _record_skipped(path: Path, items: list[WorkItem], unfit: dict[str, Unfit]) -> None:

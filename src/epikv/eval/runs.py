@@ -33,8 +33,9 @@ class RunSummary:
 
 
 def _is_run_folder(folder: Path) -> bool:
+    """config.json and at least one record: a run that failed before its first record is no run."""
     records = [*folder.glob(RESULTS_GLOB), *folder.glob(SKIPPED_GLOB)]
-    return (folder / "config.json").is_file() and bool(records)
+    return (folder / "config.json").is_file() and any(path.stat().st_size for path in records)
 
 
 def find_run_folders(paths: Iterable[str | Path]) -> list[Path]:
