@@ -126,3 +126,21 @@ def test_regrade_uses_current_rules(tmp_path):
     (folder / "results.jsonl").write_text(json.dumps(row) + "\n")
     assert "| 0.0 [" in report([tmp_path])
     assert "| 100.0 [" in report([tmp_path], regrade_text=True)
+
+
+def test_full_is_a_reference_line_even_when_filed_under_a_budget(tmp_path: Path) -> None:
+    # Issue #12 item 9: older versions filed `--policy full --budget 160` as K160 and drew a point there.
+    from epikv.eval.plots import budget_figure
+    from epikv.eval.runs import load_runs
+
+    make_run(tmp_path, "h2o", 128, [(True, False, 1.0), (False, False, 1.0)])
+    make_run(tmp_path, "h2o", 256, [(True, False, 1.0)] * 2)
+    make_run(tmp_path, "full", 160, [(True, False, 1.0)] * 3 + [(False, False, 1.0)])
+    assert "| math500 | full | full | 4 | 75.0 [" in report([tmp_path])
+    axes = budget_figure(load_runs([tmp_path]), "accuracy", "accuracy (%)", "t").axes[0]
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    full = lines["full"]
+    assert full.get_linestyle() == "--" and list(full.get_xdata()) == [0, 1]  # across the whole axis
+    assert list(full.get_ydata()) == [75.0, 75.0]
+    points = {x for line in axes.get_lines() if line is not full for x in line.get_xdata()}
+    assert points == {128, 256} and [t.get_text() for t in axes.get_xticklabels()] == ["128", "256"]

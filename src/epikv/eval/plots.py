@@ -39,6 +39,13 @@ def _by_policy(runs: Sequence[RunSummary]) -> dict[str, list[RunSummary]]:
 
 
 def _versus_budget(runs: Sequence[RunSummary], metric: str, ylabel: str, title: str, path: Path) -> Path:
+    budget_figure(runs, metric, ylabel, title).savefig(path, dpi=120)
+    return path
+
+
+def budget_figure(runs: Sequence[RunSummary], metric: str, ylabel: str, title: str) -> Figure:
+    """``metric`` (a rate) against the budget, one line per policy; a run without a budget (the full
+    cache) is a dashed horizontal reference line, never a point at some K."""
     figure, axes = _new_figure()
     for index, (policy, group) in enumerate(_by_policy(runs).items()):
         colour = f"C{index % 10}"
@@ -64,8 +71,7 @@ def _versus_budget(runs: Sequence[RunSummary], metric: str, ylabel: str, title: 
     axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.legend(fontsize="small")
-    figure.savefig(path, dpi=120)
-    return path
+    return figure
 
 
 def _accuracy_versus_time(runs: Sequence[RunSummary], title: str, path: Path) -> Path:

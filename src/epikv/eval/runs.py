@@ -17,6 +17,7 @@ from typing import Any
 from epikv.eval.metrics import summarize
 from epikv.eval.records import RESULTS_GLOB, SKIPPED_GLOB, ExampleResult, load_run_results, load_skipped
 from epikv.eval.tasks import load_task
+from epikv.policies import policy_class
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,23 @@ def load_run(folder: Path, regrade_text: bool = False) -> RunSummary:
         records = regrade(records, str(config["dataset"]))
     # The layout is OUT/<dataset>/<policy>/K<budget>/; the dataset label is the folder name,
     # which for a JSONL or hub dataset differs from the `dataset` spec in config.json.
+    policy = str(config["policy"])
     return RunSummary(
         folder=folder,
         dataset=folder.parent.parent.name,
-        policy=str(config["policy"]),
-        budget=config.get("budget"),
+        policy=policy,
+        budget=config.get("budget") if _evicts(policy) else None,
         summary=summarize(records, load_skipped(folder)),
     )
+
+
+def _evicts(policy: str) -> bool:
+    """Whether a policy name evicts. Older versions filed `--policy full --budget 160` under K160:
+    a budget that meant nothing, read here as none (so `full` is a reference line, not a point)."""
+    try:
+        return policy_class(policy).evicts
+    except ValueError:  # a policy this version does not know: trust its saved budget
+        return True
 
 
 def load_runs(dirs: Sequence[str | Path], regrade_text: bool = False) -> list[RunSummary]:
