@@ -102,3 +102,20 @@ def test_ctrl_c_during_generate_says_how_far_it_got(capsys, monkeypatch, tiny_ll
     captured = capsys.readouterr()
     assert captured.out.endswith("\n")  # the streamed text's line is ended before the summary
     assert error_line_of(captured.err) == "epikv: interrupted: after 3 generated tokens (shown above)"
+
+
+def test_a_prompt_past_the_context_is_one_line(capsys, monkeypatch, tiny_llama, tok):
+    monkeypatch.setattr(epikv.models, "load_model", lambda name: (tiny_llama, tok))
+    assert main(["generate", "--policy", "streaming", "x" * 5000]) == 2
+    assert (
+        error_line(capsys)
+        == "epikv: error: the prompt has 5000 tokens but the model's context is 4096 tokens"
+    )
+
+
+def test_a_long_prefill_shows_progress(capsys, monkeypatch, tiny_llama, tok):
+    monkeypatch.setattr(epikv.models, "load_model", lambda name: (tiny_llama, tok))
+    argv = ["generate", "--json", "--policy", "streaming", "--max-new-tokens", "2", "y" * 3000]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "prefill: 100%" in err and "3000/3000" in err

@@ -74,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             chat=not args.raw,
             on_token=None if streamer is None else streamer.push,
+            on_prefill=_PrefillBar().update,
         )[0]
     except KeyboardInterrupt:
         if streamer is None:
@@ -113,6 +114,22 @@ class _Streamer:
             sys.stdout.write(text[len(self.printed) :])
             sys.stdout.flush()
             self.printed = text
+
+
+class _PrefillBar:
+    """A progress bar on stderr for a prompt long enough to be prefilled in chunks (issue #12)."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def update(self, row: int, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.bar.close()
 
 
 def _summary(r: dict[str, Any]) -> str:

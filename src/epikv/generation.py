@@ -131,17 +131,21 @@ def generate(
     interval: int | None = None,
     chat: bool = True,
     on_token: Callable[[int, int], None] | None = None,
+    on_prefill: Callable[[int, int, int], None] | None = None,
     **policy_params: Any,
 ) -> list[SequenceResult]:
     """Generate for a batch of prompts under one policy (a name, a policy or a :class:`CacheSpec`)
-    and budget; returns one result per prompt. ``on_token(row, token_id)`` streams every token."""
+    and budget; returns one result per prompt. ``on_token(row, token_id)`` streams every token;
+    ``on_prefill(row, done, total)`` follows the prefill of a prompt long enough to run in chunks."""
     sampling = sampling or SamplingConfig()
     spec = build_spec(model, policy, budget, interval=interval, params=policy_params)
     ids = encode_prompt_ids(tokenizer, prompts, chat)
     requests = prompt_requests(ids, sampling, eos_ids(model, tokenizer))
-    if on_token is not None:
-        for row, request in enumerate(requests):
+    for row, request in enumerate(requests):
+        if on_token is not None:
             request.on_token = lambda token, row=row: on_token(row, token)
+        if on_prefill is not None:
+            request.on_prefill = lambda done, total, row=row: on_prefill(row, done, total)
     completions = Engine(model, spec).run(requests)
     return [
         SequenceResult(

@@ -56,6 +56,10 @@ class BudgetedCache(Cache):
         self.compactions = 0
         self._pending: torch.Tensor | None = None
         self.has_holes = False
+        # A long prompt comes in several forwards (epikv.engine.runner): ``prompt_follows`` is set
+        # before each forward but the last, and the next forward then continues the prefill.
+        self.prompt_follows = False
+        self._prefill_open = False
         # Host-side per-row books, so the decode step never waits on the device to decide anything.
         self.held: list[int] = []
         self.since: list[int] = []
@@ -75,6 +79,11 @@ class BudgetedCache(Cache):
     @property
     def batch_size(self) -> int:
         return len(self.held)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Whether the next forward feeds prompt tokens (the first one, or a later chunk of a prompt)."""
+        return not self.started or self._prefill_open
 
     def update(self, key_states, value_states, layer_idx: int, *args: Any, **kwargs: Any):
         kwargs["positions"] = self._pending
@@ -102,6 +111,13 @@ class BudgetedCache(Cache):
             self.since = [self.interval] * batch  # a row may compact right after its prefill
             self.budgets = [self.budget] * batch
             self.evicted, self.row_compactions = [0] * batch, [0] * batch
+        elif self._prefill_open:  # a later chunk of the prompt: the prompt grows, nothing is decoded
+            self.prompt_len = self.prompt_len + new_valid.sum(dim=-1)
+            for tokens in self.prompt_len.tolist():  # one host sync per chunk
+                self.spec.check_prompt(tokens, self.budget)
+            self.valid = torch.cat([self.valid, new_valid], dim=-1)
+            self.held = [h + q for h in self.held]
+            self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
             self.valid = torch.cat([self.valid, new_valid], dim=-1)
             self.held = [h + q for h in self.held]
@@ -121,6 +137,9 @@ class BudgetedCache(Cache):
         self.seen = self.seen + signals.valid.sum(dim=-1)
         if not signals.prefill:
             self.since = [s + 1 for s in self.since]
+        self._prefill_open, self.prompt_follows = self.prompt_follows, False
+        if self._prefill_open:  # no compaction inside a prompt: its tokens are all protected or seen
+            return
         due = self.due_rows()
         if due:
             self.compact(due)

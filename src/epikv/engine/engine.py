@@ -141,7 +141,7 @@ class Engine:
             cache = request.prefix.prefix(request.prefix_length)
         else:
             cache = self.runner.new_cache(request.budget)
-        logits = self.runner.prefill(cache, request.prompt_ids)
+        logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill)
         live.prefill_seconds = time.perf_counter() - live.started
         greedy = int(logits.argmax())
         if self._choose(live, logits, greedy, evicted=False):

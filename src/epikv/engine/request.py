@@ -21,6 +21,8 @@ TokenCallback = Callable[[int], "bool | None"]
 """Called with each chosen token id; returning True stops the request (finish reason ``stop``)."""
 LogitsCallback = Callable[[int, torch.Tensor, bool], None]
 """Called before each token is chosen with (index, logits (V,), whether the cache had evicted)."""
+PrefillCallback = Callable[[int, int], None]
+"""Called after each chunk of a prompt too long for one forward with (tokens done, prompt tokens)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ class Request:
     prompt_ids: the prompt's token ids (at least one). max_new_tokens: tokens to produce (with
     ``forced``, at most its length). stop_ids: token ids that end the request (EOS; empty to ignore
     EOS). forced: tokens fed instead of chosen ones (teacher forcing); the model's logits still reach
-    ``on_logits``. budget: this request's own K, at most the spec's (None = the spec's). prefix: a
-    cache (batch 1, nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
+    ``on_logits``. on_prefill: progress of a long prompt's prefill (see ``PrefillCallback``).
+    budget: this request's own K, at most the spec's (None = the spec's). prefix: a cache (batch 1,
+    nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
     """
 
     prompt_ids: Sequence[int]
@@ -62,6 +65,7 @@ class Request:
     budget: int | None = None
     on_token: TokenCallback | None = None
     on_logits: LogitsCallback | None = None
+    on_prefill: PrefillCallback | None = None
     prefix: Any = None
     prefix_length: int = 0
     id: int = field(default_factory=lambda: next(_ids))

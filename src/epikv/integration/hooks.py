@@ -131,7 +131,7 @@ class Attachment:
             raise ValueError("a budgeted cache needs a 2D attention mask (or none), got a 4D mask")
         ones = torch.ones(batch, q, dtype=torch.bool, device=x.device)
         new_valid = mask[:, -q:].bool() if (mask is not None and not cache.started) else ones
-        prefill = not cache.started
+        prefill = cache.in_prefill
         positions = cache.next_positions(new_valid)
         cache.begin_step(new_valid, positions)
         self._step = (cache, new_valid, positions, prefill)

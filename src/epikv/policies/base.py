@@ -73,7 +73,8 @@ class StepSignals:
 
     hidden: layer -> (B, q, hidden) output states of the new tokens (at prefill only the last
     prompt position, (B, 1, hidden), real for every row under left padding); valid: (B, q) bool (False on
-    left padding); positions: (B, q) true positions; prefill: first pass of the generation;
+    left padding); positions: (B, q) true positions; prefill: a pass of the prompt (the first pass
+    of the generation, or a later chunk of a long prompt, which comes in several passes);
     attention: layer -> (B, Hq, w, L) attention rows of the last w = ``Needs.attention_queries`` new
     tokens over the cache after the update; attention_colsum: layer -> (B, Hq, L) the rows of all new
     tokens summed (only for policies that declare attention layers); buffers: the cache's stored

@@ -189,7 +189,7 @@ class ThinKV(AttentionPolicy):
     def observe(self, state: AttentionState, step: StepSignals) -> dict[str, torch.Tensor]:
         stats: ThoughtStats = state.extra
         if step.prefill:
-            stats.prompt_len = step.valid.sum(dim=-1)
+            stats.prompt_len = stats.prompt_len + step.valid.sum(dim=-1)  # a long prompt: in chunks
             return {}
         rows = stacked(step.attention, self.resolved_layers())[:, :, :, -1]  # (G, B, Hq, L)
         sparsity = scoring.attention_sparsity(rows, self.sparsity_threshold).mean(dim=(0, 2))  # (B,)
