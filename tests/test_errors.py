@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,12 @@ def test_a_model_that_cannot_load_is_one_line(capsys, model, message):
 
 
 def test_a_multi_line_library_message_becomes_one_line(capsys, monkeypatch):
+    hub = logging.getLogger("huggingface_hub")
+    monkeypatch.setattr(hub, "level", hub.level)  # restored after the test
+
     def offline(name, **kwargs):
+        # Offline, the hub logs each of its retries before failing: not above our one line.
+        assert not logging.getLogger("huggingface_hub.utils._http").isEnabledFor(logging.WARNING)
         raise epikv.models.ModelLoadError(f"could not load model {name!r}: We couldn't connect.\nCheck it.")
 
     monkeypatch.setattr(epikv.models, "load_model", offline)

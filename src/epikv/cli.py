@@ -198,6 +198,8 @@ _EXTENSIONS: list[tuple[str, list[str]]] = [
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if not args.verbose:  # the hub's retry chatter (20 lines offline) before our one line; -v shows it
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     return run_command(args.func, args)  # one line and status 2 for a user's mistake (epikv.errors)
 
 
