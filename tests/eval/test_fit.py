@@ -121,3 +121,15 @@ def test_the_engines_generator_counts_tokens_as_it_will_send_them(
     assert fits[0] == prompt_fit(made.spec, 64, tokens)  # type: ignore[attr-defined]
     assert fits[0].problem is not None and "smallest budget that holds them is" in fits[0].problem
     assert fits[1].problem is not None and "but the model's context is 64 tokens" in fits[1].problem
+
+
+def test_a_ray_shard_checks_its_prompts_and_can_skip(tmp_path: Path) -> None:
+    from epikv.eval.ray_runner import run_shard
+
+    def engine(policy: str, budget: int | None, interval: int | None, params: dict) -> FakeGenerator:
+        return generator(budget, policy)
+
+    with pytest.raises(UnfitPromptsError, match="random K80: 4 of 10"):
+        run_shard(config(tmp_path), engine)
+    outcome = run_shard(config(tmp_path), engine, skip_unfit=True)
+    assert (outcome.generated, outcome.skipped) == (6, 4)

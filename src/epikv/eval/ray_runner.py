@@ -22,9 +22,9 @@ from tqdm.auto import tqdm
 
 from epikv.cluster import connected, gpus_or_default
 from epikv.eval.config import EvalConfig, parse_shard, run_dir
+from epikv.eval.plan import done_keys
 from epikv.eval.progress import Key, ResultsWatcher
 from epikv.eval.protocol import EngineFactory, Generator
-from epikv.eval.records import load_run_results
 from epikv.eval.report import report
 from epikv.eval.runner import RunOutcome, plan_work, run_eval
 from epikv.eval.tasks import Task, load_task
@@ -86,9 +86,13 @@ def _shard_names(shards: int) -> list[str | None]:
     return [None] if shards == 1 else [f"{index}/{shards}" for index in range(shards)]
 
 
-def run_shard(config: EvalConfig, engine: EngineFactory | None = None) -> RunOutcome:
+def run_shard(
+    config: EvalConfig, engine: EngineFactory | None = None, skip_unfit: bool = False
+) -> RunOutcome:
     """What one Ray task does: `run_eval` on one shard config. `engine` None = the real engine with
-    the config's model, loaded in the task's worker."""
+    the config's model, loaded in the task's worker. The shard's prompts are checked before it
+    generates: one that cannot run fails the task before it writes, or with ``skip_unfit`` is
+    recorded as skipped."""
     if engine is None:
         from epikv.generation import make_generator
 
@@ -98,7 +102,7 @@ def run_shard(config: EvalConfig, engine: EngineFactory | None = None) -> RunOut
     def factory(policy: str, budget: int | None) -> Generator:
         return bound(policy, budget, config.interval, config.policy_params)
 
-    return run_eval(config, factory)
+    return run_eval(config, factory, skip_unfit)
 
 
 def owed_work(configs: list[EvalConfig]) -> dict[Path, set[Key]]:
@@ -113,13 +117,18 @@ def owed_work(configs: list[EvalConfig]) -> dict[Path, set[Key]]:
         task = tasks[spec]
         folder = run_dir(config, task.name)
         if folder not in done:
-            done[folder] = {r.key for r in load_run_results(folder)} if folder.is_dir() else set()
+            done[folder] = done_keys(folder)  # results and skipped problems
         work = plan_work(task, config.n_samples, parse_shard(config.shard), done[folder])
         owed.setdefault(folder, set()).update((item.example.id, item.sample) for item in work)
     return owed
 
 
-def run_on_ray(configs: list[EvalConfig], options: RayOptions, engine: EngineFactory | None = None) -> RayRun:
+def run_on_ray(
+    configs: list[EvalConfig],
+    options: RayOptions,
+    engine: EngineFactory | None = None,
+    skip_unfit: bool = False,
+) -> RayRun:
     """Runs every shard of every config as a Ray task and waits for all of them; a failed task is
     reported in the result, never raised, so the other shards still finish."""
     shards = shard_configs(configs, options.shards)
@@ -127,7 +136,7 @@ def run_on_ray(configs: list[EvalConfig], options: RayOptions, engine: EngineFac
     with connected(options.address) as ray:
         resources = _task_resources(ray, options)
         remote = ray.remote(max_retries=options.max_retries, **resources)(run_shard)
-        refs = {remote.options(name=_task_name(c)).remote(c, engine): c for c in shards}
+        refs = {remote.options(name=_task_name(c)).remote(c, engine, skip_unfit): c for c in shards}
         total = sum(len(keys) for keys in owed.values())
         bar = tqdm(total=total, desc="ray eval", unit="ex", disable=not options.progress, file=sys.stderr)
         with bar:
@@ -229,7 +238,7 @@ def ray_eval_command(
         progress=not args.no_progress,
     )
     try:
-        run = run_on_ray(configs, options, engine)
+        run = run_on_ray(configs, options, engine, getattr(args, "skip_unfit", False))
     except KeyboardInterrupt:
         print("epikv eval: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
