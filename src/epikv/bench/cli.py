@@ -63,6 +63,15 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--prompts": ("prompts", int, "how many prompts"),
     "--prompt-offset": ("prompt_offset", int, "first prompt of the source"),
     "--trace-tokens": ("trace_tokens", int, "length T of each full-cache trace"),
+    "--genres": ("genres", _names, "fidelity genres (epikv.bench.genres): prose,code,gsm8k-greedy..."),
+    "--prompt-tokens": ("prompt_tokens", int, "prompt length of forced genres"),
+    "--max-prompt-tokens": ("max_prompt_tokens", int, "skip longer prompts of generated genres"),
+    "--peaks": ("peaks", _ints, "equal peak memory: each policy's K = peak - tau, for these peaks"),
+    "--peak": ("peak", int, "equal peak memory: each policy's K = this - tau (instead of --budget)"),
+    "--reference": ("reference", str, "policy the others are compared with, paired over prompts"),
+    "--free-run": ("free_run", str, "free running: none | generated (genres whose text the model writes)"),
+    "--tail-tokens": ("tail_tokens", int, "common window: the last N positions of every trace"),
+    "--batch-size": ("batch_size", int, "prompts decoded together (one engine batch)"),
     "--min-length": ("min_length", int, "first forward length (doubles up to --max-length)"),
     "--max-length": ("max_length", int, "longest forward length tried"),
     "--cap-gb": ("cap_gb", float, "memory cap: GB above the loaded model (CPU) or emulated GPU size (CUDA)"),
@@ -135,6 +144,8 @@ def build_config(kind: str, args: argparse.Namespace) -> Any:
     base = quick if args.quick else config_class()
     names = {f.name for f in dataclasses.fields(config_class)}
     given = {k: v for k, v in vars(args).items() if k in names}
+    if "parts_dir" in names and "parts_dir" not in given:  # finished cells kept for a rerun
+        given["parts_dir"] = str(Path(args.out) / f"{kind}-parts")
     return dataclasses.replace(base, **given)
 
 

@@ -1,65 +1,109 @@
-"""How close each policy stays to the full cache on the same greedy reasoning traces.
+"""How close each policy stays to the full cache on the same text: the fidelity study.
 
-The honest proxy for accuracy on a machine that cannot hold a 7B model. For every prompt (a bundled
-task read with ``json``, a ``.jsonl`` file or any text file) a greedy full-cache trace of T tokens
-is generated (EOS ignored unless asked) with its next-token distributions. Then, per policy and
-budget, every run a batch of the engine (:class:`epikv.engine.Engine`, ``batch_size`` prompts):
+The honest proxy for accuracy on a machine that cannot hold a 7B model. Prompts come from the genres
+of :mod:`epikv.bench.genres` (``--genres``: shipped text that is teacher-forced, or GSM8K/MATH-500
+problems whose continuation is the model's own greedy full-cache trace), or, without genres, from a
+bundled task or file (greedy traces). For every prompt the full cache gives the reference next-token
+distributions; then for every *cell* (a policy, possibly with parameters, at one budget K), the
+prompts run as one batch of the engine (:class:`epikv.engine.Engine`, ``batch_size`` rows):
 
-* teacher forcing: the trace is fed token by token (forced requests); at each position we record
-  top-1 agreement with the full cache's next token, KL(full || evicted) and the trace token's
-  negative log-likelihood, overall and over the positions after the first eviction;
-* free running: the policy generates T greedy tokens itself; we record the first position where it
-  leaves the full trace and whether it ends in a loop (:func:`repeated_suffix`).
+* teacher forcing: the continuation is fed token by token; at each position we record top-1
+  agreement with the full cache's next token, KL(full || evicted) and the continuation token's
+  negative log-likelihood, averaged over all positions, over the positions after the cell's first
+  eviction, and over the last ``tail_tokens`` positions (a window every cell has evicted before, so
+  cells that start evicting at different times are compared on the same positions); the peak and
+  mean cached tokens; and where the kept tokens sit (a histogram of the kept true positions at the
+  compactions, through the engine's ``on_compaction`` observer);
+* free running (generated genres): the policy generates the same number of greedy tokens itself; we
+  record where it first leaves the full cache's trace and whether it ends in a loop.
 
-A (policy, budget) whose budget cannot hold a prompt's protected tokens is reported as skipped.
+Cells are the policies at the ``budgets`` (equal K) and at the ``peaks`` (equal peak memory: each
+policy's K = peak - tau, so a policy that compacts every tau steps holds as many tokens at its peak
+as one that evicts every step). Each (batch, cell) is written to ``parts_dir`` as it finishes and a
+rerun skips the parts already there, so a study of hours survives an interruption. Statistics and
+tables: :mod:`epikv.bench.fidelity_summary`; figures: :mod:`epikv.bench.fidelity_plots`.
 """
 
 from __future__ import annotations
 
-import statistics
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from epikv.bench import io
-from epikv.engine import Engine, Request
+from epikv.bench import io, stats
+from epikv.bench.fidelity_runs import (
+    _Recorder,
+    forced_references,
+    free_run,
+    full_traces,
+    teacher_force,
+)
+from epikv.bench.fidelity_summary import summarize_fidelity
+from epikv.bench.parts import Parts, cell_print, fingerprint_of
 from epikv.integration import build_spec
 from epikv.spec import CacheSpec
 
+__all__ = ["FidelityConfig", "_Recorder", "forced_references", "free_run", "full_traces", "teacher_force"]
+
+log = logging.getLogger(__name__)
+
 DEFAULT_POLICIES = ("epikv", "epikv-flat", "streaming", "h2o")
+FREE_RUN = ("none", "generated")
 
 
 @dataclass(frozen=True)
 class FidelityConfig:
-    """Prompts x policies x budgets; ``interval`` None = each policy's own tau."""
+    """Prompts x cells. ``policies`` are names or variants ``name:key=value:...`` (policy parameters,
+    e.g. ``epikv-flat:band_a=9:band_b=20``); ``budgets`` give every policy the same K, ``peaks`` give
+    each policy the K whose peak K + tau is that many tokens; ``interval`` None = each policy's tau.
+    ``prompts`` is per genre; ``max_prompt_tokens`` drops longer prompts of generated genres;
+    ``parts_dir`` (the CLI sets it beside the result) keeps finished cells for a rerun."""
 
     model: str | None = None
+    genres: tuple[str, ...] = ()
     prompt_source: str = "math500"
     prompts: int = 4
     prompt_offset: int = 0
+    prompt_tokens: int = 96
+    max_prompt_tokens: int | None = None
     trace_tokens: int = 512
     policies: tuple[str, ...] = DEFAULT_POLICIES
     budgets: tuple[int, ...] = (256, 384)
+    peaks: tuple[int, ...] = ()
+    reference: str = "streaming"
     interval: int | None = None
     attention: str = "recompute"
     chat: bool = True
     stop_at_eos: bool = False
+    free_run: str = "generated"
+    tail_tokens: int = 128
+    histogram_bins: int = 20
+    histogram_every: int = 16
     loop_min_span: int = 32
     loop_max_period: int = 64
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = 1
     batch_size: int = 8
+    parts_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.prompts < 1 or self.trace_tokens < 2 or not self.budgets or not self.policies:
-            raise ValueError("need prompts >= 1, trace_tokens >= 2, some budgets and some policies")
+        if self.prompts < 1 or self.trace_tokens < 2 or not self.policies:
+            raise ValueError("need prompts >= 1, trace_tokens >= 2 and some policies")
+        if not self.budgets and not self.peaks:
+            raise ValueError("need some budgets (equal K) or peaks (equal peak memory)")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.loop_min_span < 2 or self.loop_max_period < 1:
             raise ValueError("loop_min_span must be >= 2 and loop_max_period >= 1")
+        if self.free_run not in FREE_RUN:
+            raise ValueError(f"free_run must be one of {FREE_RUN}, got {self.free_run!r}")
+        if min(self.tail_tokens, self.histogram_bins, self.histogram_every) < 1:
+            raise ValueError("tail_tokens, histogram_bins and histogram_every must be >= 1")
 
 
 # About two minutes on 2 cores: one short GSM8K prompt, an 80-token trace, two budgets.
@@ -70,6 +114,7 @@ QUICK = FidelityConfig(
     trace_tokens=80,
     policies=("epikv", "epikv-flat", "h2o"),
     budgets=(80, 112),
+    tail_tokens=16,
 )
 
 
@@ -100,131 +145,176 @@ def first_divergence(reference: list[int], other: list[int]) -> int | None:
     return None
 
 
-# --------------------------------------------------------------------------- model runs
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``name:key=value:key=value`` -> (policy name, raw parameters), parsed later by the policy's
+    field types (:func:`epikv.spec.parse_policy_params`)."""
+    name, *items = text.strip().split(":")
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy variant {text!r}: {item!r} is not key=value")
+        params[key] = value
+    if not name:
+        raise ValueError(f"policy variant {text!r} has no policy name")
+    return name, params
 
 
-class _Recorder:
-    """on_logits of one request: keeps log-probabilities, or compares them with a reference."""
+@dataclass(frozen=True)
+class Cell:
+    """One policy variant at one budget; ``label`` is the variant as given."""
 
-    def __init__(self, reference: torch.Tensor | None = None, trace: list[int] | None = None) -> None:
-        self.reference, self.trace = reference, trace
-        self.logprobs: list[torch.Tensor] = []
-        self.agree: list[float] = []
-        self.kl: list[float] = []
-        self.nll: list[float] = []
-        self.evicted: list[bool] = []
+    label: str
+    budget: int
 
-    def __call__(self, index: int, logits: torch.Tensor, evicted: bool) -> None:
-        lp = torch.log_softmax(logits.float(), dim=-1).cpu()
-        if self.reference is None:
-            self.logprobs.append(lp)
-            return
-        full = self.reference[index]
-        self.agree.append(float(int(lp.argmax()) == int(full.argmax())))
-        self.kl.append(float((full.exp() * (full - lp)).sum()))
-        self.nll.append(float(-lp[self.trace[index]]))
-        self.evicted.append(evicted)
-
-    def metrics(self, peak: int) -> dict[str, Any]:
-        after = [i for i, e in enumerate(self.evicted) if e]
-        return {
-            "agreement": statistics.fmean(self.agree),
-            "agreement_after_eviction": statistics.fmean(self.agree[i] for i in after) if after else None,
-            "kl": statistics.fmean(self.kl),
-            "kl_after_eviction": statistics.fmean(self.kl[i] for i in after) if after else None,
-            "nll": statistics.fmean(self.nll),
-            "first_eviction_step": after[0] if after else None,
-            "peak_cache_tokens": peak,
-        }
+    @property
+    def name(self) -> str:
+        return f"{self.label}@{self.budget}"
 
 
-def full_traces(
-    model: torch.nn.Module, prompts: list[list[int]], tokens: int, stop: set[int] | None = None
-) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy full-cache traces, each with the log-probabilities (T, V) that predicted its tokens."""
-    spec = build_spec(model, "full")
-    recorders = [_Recorder() for _ in prompts]
-    requests = [
-        Request(ids, tokens, stop_ids=frozenset(stop or ()), on_logits=rec)
-        for ids, rec in zip(prompts, recorders, strict=True)
-    ]
-    done = Engine(model, spec).run(requests)
-    return [(c.token_ids, torch.stack(r.logprobs)) for c, r in zip(done, recorders, strict=True)]
+def plan_cells(
+    model: torch.nn.Module, config: FidelityConfig
+) -> tuple[dict[str, CacheSpec], list[dict[str, Any]]]:
+    """The specs of every cell (name -> spec) and the plan: one entry per (variant, budget or peak),
+    with the K matched to a peak or the reason no K can match it."""
+    specs: dict[str, CacheSpec] = {}
+    plan = []
+    for label in config.policies:
+        name, params = parse_variant(label)
+        probe = build_spec(
+            model, name, max(config.budgets + config.peaks), interval=config.interval, params=params
+        )
+        tau = probe.interval if probe.evicts else 0
+        wanted = [("budget", k, k) for k in config.budgets]
+        for peak in config.peaks:
+            try:
+                wanted.append(("peak", peak, stats.budget_for_peak(peak, max(tau, 1))))
+            except ValueError as err:
+                plan.append({"label": label, "kind": "peak", "target": peak, "budget": None, "why": str(err)})
+        for kind, target, k in wanted:
+            cell = Cell(label, k)
+            plan.append({"label": label, "kind": kind, "target": target, "budget": k, "cell": cell.name})
+            if cell.name not in specs:
+                specs[cell.name] = build_spec(
+                    model, name, k, interval=config.interval, attention=config.attention, params=params
+                )
+    return specs, plan
 
 
-def teacher_force(
+# --------------------------------------------------------------------------- the study
+
+
+@dataclass(frozen=True)
+class Item:
+    """One prompt of the study; ``continuation`` None = the full cache's greedy trace is the text."""
+
+    genre: str
+    id: str
+    prompt: list[int]
+    continuation: list[int] | None
+
+
+def load_items(config: FidelityConfig, tokenizer: Any) -> list[Item]:
+    """The study's prompts, genre by genre (``prompts`` each), or from ``prompt_source``."""
+    from epikv.bench.genres import load_genre
+
+    if not config.genres:
+        texts = io.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)
+        return [
+            Item(
+                config.prompt_source,
+                str(config.prompt_offset + i),
+                io.encode_prompt_ids(tokenizer, t, config.chat),
+                None,
+            )
+            for i, t in enumerate(texts)
+        ]
+    items = []
+    for genre in config.genres:
+        loaded = load_genre(
+            genre,
+            tokenizer,
+            prompt_tokens=config.prompt_tokens,
+            trace_tokens=config.trace_tokens,
+            count=None if config.max_prompt_tokens else config.prompts,
+            offset=0 if config.max_prompt_tokens else config.prompt_offset,
+            chat=config.chat,
+        )
+        if config.max_prompt_tokens:
+            fits = [g for g in loaded if g.forced or len(g.prompt_ids) <= config.max_prompt_tokens]
+            loaded = fits[config.prompt_offset : config.prompt_offset + config.prompts]
+            if len(loaded) < config.prompts:
+                raise ValueError(
+                    f"genre {genre!r}: only {len(loaded)} prompts of <= {config.max_prompt_tokens} tokens"
+                )
+        for g in loaded:
+            cont = list(g.continuation_ids) if g.continuation_ids is not None else None
+            items.append(Item(genre, g.id, list(g.prompt_ids), cont))
+    return items
+
+
+def _reference(
+    model: torch.nn.Module, batch: list[Item], config: FidelityConfig, stop: set[int] | None
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Continuations and the full cache's log-probabilities along them, forced and generated items
+    each in one engine run."""
+    traces: list[list[int]] = [[] for _ in batch]
+    refs: list[torch.Tensor] = [torch.empty(0) for _ in batch]
+    forced = [i for i, item in enumerate(batch) if item.continuation is not None]
+    generated = [i for i, item in enumerate(batch) if item.continuation is None]
+    if forced:
+        done = forced_references(
+            model, [batch[i].prompt for i in forced], [batch[i].continuation for i in forced]
+        )
+        for i, (trace, ref) in zip(forced, done, strict=True):
+            traces[i], refs[i] = trace, ref
+    if generated:
+        done = full_traces(model, [batch[i].prompt for i in generated], config.trace_tokens, stop)
+        for i, (trace, ref) in zip(generated, done, strict=True):
+            traces[i], refs[i] = trace, ref
+    return traces, refs
+
+
+def _run_cell(
     model: torch.nn.Module,
-    prompts: list[list[int]],
+    batch: list[Item],
     traces: list[list[int]],
-    references: list[torch.Tensor],
-    spec: CacheSpec,
-) -> list[dict[str, Any]]:
-    """Feed each trace through ``spec``'s cache; compare every next-token distribution with its
-    reference. A prompt the budget cannot hold gets ``{"skipped": reason}``."""
-    engine = Engine(model, spec)
-    out: list[dict[str, Any]] = [{} for _ in prompts]
-    runs = []
-    for i, (ids, trace, reference) in enumerate(zip(prompts, traces, references, strict=True)):
-        recorder = _Recorder(reference, trace)
-        request = Request(ids, len(trace), forced=trace, on_logits=recorder)
-        try:
-            engine.validate(request)
-        except ValueError as err:  # the budget cannot hold this prompt's protected tokens
-            out[i] = {"skipped": str(err)}
-            continue
-        runs.append((i, request, recorder))
-    done = engine.run([request for _, request, _ in runs])
-    for (i, _, recorder), completion in zip(runs, done, strict=True):
-        out[i] = recorder.metrics(completion.peak_cache_tokens)
-    return out
-
-
-def free_run(
-    model: torch.nn.Module, prompts: list[list[int]], tokens: int, spec: CacheSpec
-) -> list[list[int]]:
-    """``tokens`` greedy tokens generated under ``spec`` for each prompt (EOS ignored)."""
-    return [c.token_ids for c in Engine(model, spec).run([Request(ids, tokens) for ids in prompts])]
-
-
-# --------------------------------------------------------------------------- the benchmark
-
-
-def _cells(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    traces: list[list[int]],
-    references: list[torch.Tensor],
+    refs: list[torch.Tensor],
     spec: CacheSpec,
     config: FidelityConfig,
 ) -> list[dict[str, Any]]:
-    """One (policy, budget) on a batch of prompts: teacher forced, then free running."""
-    forced = teacher_force(model, prompts, traces, references, spec)
-    runnable = [i for i, cell in enumerate(forced) if "skipped" not in cell]
-    generated = free_run(model, [prompts[i] for i in runnable], config.trace_tokens, spec) if runnable else []
-    for i, tokens in zip(runnable, generated, strict=True):
-        period = repeated_suffix(tokens, config.loop_max_period, config.loop_min_span)
-        forced[i].update(
-            first_divergence=first_divergence(traces[i], tokens[: len(traces[i])]), loop_period=period
-        )
+    """One cell on one batch: teacher forced, then free running where the text is the model's own."""
+    prompts = [item.prompt for item in batch]
+    forced = teacher_force(
+        model, prompts, traces, refs, spec, config.tail_tokens, config.histogram_bins, config.histogram_every
+    )
+    free = [
+        i
+        for i, (item, cell) in enumerate(zip(batch, forced, strict=True))
+        if config.free_run == "generated" and item.continuation is None and "skipped" not in cell
+    ]
+    if free:
+        generated = free_run(model, [prompts[i] for i in free], config.trace_tokens, spec)
+        for i, tokens in zip(free, generated, strict=True):
+            period = repeated_suffix(tokens, config.loop_max_period, config.loop_min_span)
+            forced[i].update(
+                first_divergence=first_divergence(traces[i], tokens[: len(traces[i])]), loop_period=period
+            )
     return forced
 
 
-def _every_cell(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    traces: list[list[int]],
-    references: list[torch.Tensor],
-    specs: dict[tuple[str, int], CacheSpec],
-    config: FidelityConfig,
-    bar: Any,
-) -> dict[str, list[dict[str, Any]]]:
-    """Every (policy, budget) on one batch of prompts, keyed ``policy@budget``; one bar step each."""
-    cells = {}
-    for (policy, budget), spec in specs.items():
-        bar.set_postfix_str(f"{policy}@{budget}")
-        cells[f"{policy}@{budget}"] = _cells(model, prompts, traces, references, spec, config)
-        bar.update()
-    return cells
+def _prompt_record(item: Item, trace: list[int], ref: torch.Tensor, config: FidelityConfig) -> dict[str, Any]:
+    nll = -ref.gather(1, torch.tensor(trace)[:, None])[:, 0]
+    return {
+        "genre": item.genre,
+        "id": item.id,
+        "prompt_tokens": len(item.prompt),
+        "trace_tokens": len(trace),
+        "full_nll": float(nll.mean()),
+        "full_nll_tail": float(nll[-config.tail_tokens :].mean()),
+        "full_loop_period": repeated_suffix(trace, config.loop_max_period, config.loop_min_span),
+        "cells": {},
+    }
 
 
 def run_fidelity(
@@ -233,129 +323,66 @@ def run_fidelity(
     tokenizer: Any = None,
     reporter: io.Reporter | None = None,
 ) -> dict[str, Any]:
-    """Every prompt x policy x budget, ``batch_size`` prompts at a time; returns the document."""
-    from epikv.bench.speed import available_policies
+    """Every prompt x cell, ``batch_size`` prompts at a time, finished cells kept in ``parts_dir``;
+    returns the document (per-prompt results, the summary with intervals, the plan)."""
     from epikv.generation import eos_ids
 
     reporter = reporter or io.Reporter()
     io.set_threads(config.threads)
     if model is None:
         model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
-    policies, missing = available_policies(config.policies)
+    specs, plan = plan_cells(model, config)
     stop = set(eos_ids(model, tokenizer)) if config.stop_at_eos else None
-    texts = io.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)
-    specs = {
-        (policy, budget): build_spec(
-            model, policy, budget, interval=config.interval, attention=config.attention
-        )
-        for policy in policies
-        for budget in config.budgets
-    }
     for spec in specs.values():
         reporter.uses(spec)
-    prompts = []
-    batches = range(0, len(texts), config.batch_size)
-    bar = reporter.bar(len(batches) * (1 + len(specs)), "fidelity", unit="run")  # full trace + each spec
-    for lo in batches:
-        ids = [
-            io.encode_prompt_ids(tokenizer, text, config.chat) for text in texts[lo : lo + config.batch_size]
-        ]
-        traced = full_traces(model, ids, config.trace_tokens, stop)
+    items = load_items(config, tokenizer)
+    parts = Parts(config.parts_dir)
+    keys = ("trace_tokens", "stop_at_eos", "tail_tokens", "histogram_bins", "histogram_every", "free_run")
+    settings = {k: getattr(config, k) for k in keys} | {"model": io.model_name(model)}
+    prompts: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    batches = range(0, len(items), config.batch_size)
+    bar = reporter.bar(len(batches) * (1 + len(specs)), "fidelity", unit="run")  # full + each cell
+    for b, lo in enumerate(batches):
+        batch = items[lo : lo + config.batch_size]
+        fingerprint = fingerprint_of([[i.genre, i.id, i.prompt, i.continuation] for i in batch], settings)
+        done = {name: parts.get(b, name, cell_print(fingerprint, spec)) for name, spec in specs.items()}
+        records = parts.get(b, "full", fingerprint)
+        traces: list[list[int]] = []
+        refs: list[torch.Tensor] = []
+        if records is None or any(result is None for result in done.values()):
+            traces, refs = _reference(model, batch, config, stop)
+            records = [_prompt_record(i, t, r, config) for i, t, r in zip(batch, traces, refs, strict=True)]
+            parts.put(b, "full", fingerprint, records, 0.0)
         bar.update()
-        traces, references = [t for t, _ in traced], [r for _, r in traced]
-        cells = _every_cell(model, ids, traces, references, specs, config, bar)
-        for j, (prompt, trace, reference) in enumerate(zip(ids, traces, references, strict=True)):
-            nll = float(-reference.gather(1, torch.tensor(trace)[:, None]).mean())
-            prompts.append(
-                {
-                    "index": config.prompt_offset + lo + j,
-                    "prompt_tokens": len(prompt),
-                    "trace_tokens": len(trace),
-                    "full_nll": nll,
-                    "full_loop_period": repeated_suffix(trace, config.loop_max_period, config.loop_min_span),
-                    "cells": {name: batch[j] for name, batch in cells.items()},
-                }
-            )
+        for name, spec in specs.items():
+            if done[name] is None:
+                t0 = time.perf_counter()
+                done[name] = _run_cell(model, batch, traces, refs, spec, config)
+                parts.put(b, name, cell_print(fingerprint, spec), done[name], time.perf_counter() - t0)
+                log.info(
+                    "batch %d cell %s: %.0f s, load %s", b, name, time.perf_counter() - t0, io.load_average()
+                )
+            bar.set_postfix_str(name)
+            bar.update()
+            for record, result in zip(records, done[name], strict=True):
+                record["cells"][name] = result
+        prompts.extend(records)
+        del refs
     bar.close()
     results = {
         "model": io.model_name(model),
-        "missing_policies": missing,
+        "plan": plan,
+        "specs": {name: spec.config() for name, spec in specs.items()},
+        "seconds": round(time.perf_counter() - started, 1),
         "prompts": prompts,
-        "summary": summarize_fidelity(prompts, policies, config.budgets),
     }
+    results["summary"] = summarize_fidelity(prompts, plan, config)
     return io.make_document("fidelity", config, results, config.device, reporter.specs)
 
 
-def summarize_fidelity(
-    prompts: list[dict[str, Any]], policies: list[str], budgets: tuple[int, ...]
-) -> dict[str, Any]:
-    """Means over prompts per (policy, budget); skipped prompts are counted, not averaged."""
-    rows = []
-    for policy in policies:
-        for budget in budgets:
-            cells = [p["cells"][f"{policy}@{budget}"] for p in prompts]
-            done = [c for c in cells if "skipped" not in c]
-            row: dict[str, Any] = {
-                "policy": policy,
-                "budget": budget,
-                "prompts": len(done),
-                "skipped": len(cells) - len(done),
-            }
-            for key in ("agreement", "agreement_after_eviction", "kl", "kl_after_eviction", "nll"):
-                values = [c[key] for c in done if c[key] is not None]
-                row[key] = statistics.fmean(values) if values else None
-            lengths = [p["trace_tokens"] for p, c in zip(prompts, cells, strict=True) if "skipped" not in c]
-            divergence = [
-                c["first_divergence"] if c["first_divergence"] is not None else n
-                for c, n in zip(done, lengths, strict=True)
-            ]
-            row["first_divergence"] = statistics.fmean(divergence) if divergence else None
-            row["loop_rate"] = statistics.fmean(c["loop_period"] is not None for c in done) if done else None
-            rows.append(row)
-    full = {
-        "nll": statistics.fmean(p["full_nll"] for p in prompts),
-        "loop_rate": statistics.fmean(p["full_loop_period"] is not None for p in prompts),
-    }
-    return {"rows": rows, "full": full}
-
-
-def _after(row: dict[str, Any], metric: str) -> float:
-    """The metric over post-eviction positions, or over all positions when nothing was evicted."""
-    value = row[f"{metric}_after_eviction"]
-    return row[metric] if value is None else value
-
-
 def plot_fidelity(json_path: str | Path, png: str | Path | None = None) -> Path:
-    """Top-1 agreement (after the first eviction) and KL(full || evicted) against budget, per policy."""
-    data = io.read_result(json_path, "fidelity")
-    results = data["results"]
-    figure, (left, right) = io.new_figure(width=10.0, height=4.2, ncols=2)
-    policies = list(dict.fromkeys(row["policy"] for row in results["summary"]["rows"]))
-    for index, policy in enumerate(policies):
-        rows = [r for r in results["summary"]["rows"] if r["policy"] == policy and r["prompts"]]
-        budgets = [r["budget"] for r in rows]
-        left.plot(
-            budgets,
-            [_after(r, "agreement") for r in rows],
-            "o-",
-            color=f"C{index}",
-            label=policy,
-        )
-        right.plot(budgets, [_after(r, "kl") for r in rows], "o-", color=f"C{index}", label=policy)
-    left.set_ylabel("top-1 agreement with full cache")
-    right.set_ylabel("KL(full || evicted), nats")
-    budgets = sorted({r["budget"] for r in results["summary"]["rows"]})
-    for axes in (left, right):
-        axes.set_xlabel("budget K (tokens)")
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(budgets, [str(b) for b in budgets])
-        axes.minorticks_off()
-    left.legend(fontsize=8)
-    cfg = data["config"]
-    left.set_title(
-        f"{results['model']}: {len(results['prompts'])} {cfg['prompt_source']} prompts, "
-        f"T={cfg['trace_tokens']}",
-        fontsize=9,
-    )
-    right.set_title("after the first eviction (teacher forced)", fontsize=9)
-    return io.save_figure(figure, png or io.png_path(json_path))
+    """Agreement against mean cached tokens per genre and policy (and the kept-position figure)."""
+    from epikv.bench.fidelity_plots import plot_document
+
+    return plot_document(json_path, png)

@@ -49,6 +49,11 @@ RANDOM_PRESETS: dict[str, dict[str, Any]] = {
 # --------------------------------------------------------------------------- result documents
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load averages (None where the OS has none): record it with timings."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     """What the numbers were measured on: host, library versions, threads, load, accelerator."""
     import numpy
@@ -61,7 +66,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average": load_average(),
         "memory_total_bytes": _meminfo_total(),
         "python": platform.python_version(),
         "versions": {

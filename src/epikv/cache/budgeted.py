@@ -27,6 +27,9 @@ from epikv.policies.rows import cat_rows, take_rows
 from epikv.selection import Selection, gather_tokens, protected_slots, select_keep
 from epikv.spec import CacheSpec
 
+# Per-row host-side lists that move with their row (take_rows, append).
+_BOOKS = ("held", "since", "budgets", "peak", "evicted", "row_compactions", "held_sum", "passes")
+
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -67,6 +70,10 @@ class BudgetedCache(Cache):
         self.peak: list[int] = []
         self.evicted: list[int] = []
         self.row_compactions: list[int] = []
+        # Cached tokens summed over decode passes (after each pass's new tokens), and the passes:
+        # their ratio is the mean cache a row held, the memory a policy costs on average.
+        self.held_sum: list[int] = []
+        self.passes: list[int] = []
 
     def reset(self) -> None:
         super().reset()
@@ -111,6 +118,7 @@ class BudgetedCache(Cache):
             self.since = [self.interval] * batch  # a row may compact right after its prefill
             self.budgets = [self.budget] * batch
             self.evicted, self.row_compactions = [0] * batch, [0] * batch
+            self.held_sum, self.passes = [0] * batch, [0] * batch
         elif self._prefill_open:  # a later chunk of the prompt: the prompt grows, nothing is decoded
             self.prompt_len = self.prompt_len + new_valid.sum(dim=-1)
             for tokens in self.prompt_len.tolist():  # one host sync per chunk
@@ -122,6 +130,8 @@ class BudgetedCache(Cache):
             self.valid = torch.cat([self.valid, new_valid], dim=-1)
             self.held = [h + q for h in self.held]
             self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
+            self.held_sum = [s + h for s, h in zip(self.held_sum, self.held, strict=True)]
+            self.passes = [n + 1 for n in self.passes]
         self._pending = positions.masked_fill(~new_valid, -1).to(torch.int32)
 
     def end_step(self, signals: StepSignals) -> None:
@@ -262,7 +272,7 @@ class BudgetedCache(Cache):
         self.buffers = {name: buf[:, rows, :, trim:] for name, buf in self.buffers.items()}
         self.prompt_len, self.seen = self.prompt_len[rows], self.seen[rows]
         self.state = take_rows(self.state, index)
-        for name in ("held", "since", "budgets", "peak", "evicted", "row_compactions"):
+        for name in _BOOKS:
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in index])
         self.has_holes = min(held) < max(held)
@@ -288,7 +298,7 @@ class BudgetedCache(Cache):
         self.prompt_len = torch.cat([self.prompt_len, other.prompt_len])
         self.seen = torch.cat([self.seen, other.seen])
         self.state = cat_rows([self.state, other.state])
-        for name in ("held", "since", "budgets", "peak", "evicted", "row_compactions"):
+        for name in _BOOKS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.has_holes = min(self.held) < length
 
@@ -314,17 +324,17 @@ class BudgetedCache(Cache):
         new.state = None
         new.held, new.peak, new.since = [length], [length], [self.interval]
         new.budgets, new.evicted, new.row_compactions = [new.budget], [0], [0]
+        new.held_sum, new.passes = [0], [0]
         return new
 
     def _adopt(self, other: BudgetedCache) -> None:
         self.layers = other.layers
-        for name in ("valid", "buffers", "prompt_len", "seen", "state", "has_holes", "held", "since"):
-            setattr(self, name, getattr(other, name))
-        for name in ("budgets", "peak", "evicted", "row_compactions"):
+        for name in ("valid", "buffers", "prompt_len", "seen", "state", "has_holes", *_BOOKS):
             setattr(self, name, getattr(other, name))
 
     # -- reporting -----------------------------------------------------------------------------
     def stats(self) -> list[SequenceStats]:
         seen = self.seen.tolist()
-        rows = zip(self.prompt_len.tolist(), seen, self.peak, self.held, self.evicted, strict=True)
+        mean = [s / n if n else None for s, n in zip(self.held_sum, self.passes, strict=True)]
+        rows = zip(self.prompt_len.tolist(), seen, self.peak, self.held, self.evicted, mean, strict=True)
         return [SequenceStats(*row) for row in rows]

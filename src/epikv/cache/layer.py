@@ -62,7 +62,9 @@ class BudgetedLayer(DynamicLayer):
         parts = [left_pad_layer(layer, length) for layer in (self, other)]
         self.keys = torch.cat([p[0] for p in parts])
         self.values = torch.cat([p[1] for p in parts])
-        self.positions = torch.cat([p[2] for p in parts])
+        # A row that compacted per head carries a position per head; one that did not, one for all.
+        heads = max(p[2].shape[1] for p in parts)
+        self.positions = torch.cat([p[2].expand(-1, heads, -1) for p in parts])
 
     def reset(self) -> None:
         super().reset()

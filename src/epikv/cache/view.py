@@ -11,13 +11,15 @@ import torch
 
 @dataclass
 class SequenceStats:
-    """What the cache did to one sequence."""
+    """What the cache did to one sequence. ``mean_cache_tokens``: tokens held during a decode pass
+    (after its new token), averaged over the passes since the prefill (None before the first)."""
 
     prompt_tokens: int
     tokens_seen: int
     peak_cache_tokens: int
     final_cache_tokens: int
     evictions: int
+    mean_cache_tokens: float | None = None
 
 
 class CacheView:

@@ -70,6 +70,13 @@ class _Live:
     reason: str = ""
 
 
+def kept_positions(cache: BudgetedCache, row: int) -> torch.Tensor:
+    """True positions of one row's cached slots in every layer, (layers, H, L); -1 at holes."""
+    layers = [layer.positions[row] for layer in cache.layers]
+    heads = max(p.shape[0] for p in layers)
+    return torch.stack([p.expand(heads, -1) for p in layers])
+
+
 class Engine:
     """One spec, one model, one running batch; see the module docstring."""
 
@@ -143,6 +150,8 @@ class Engine:
             cache = self.runner.new_cache(request.budget)
         logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill)
         live.prefill_seconds = time.perf_counter() - live.started
+        if request.on_compaction is not None and cache.row_compactions[0]:
+            request.on_compaction(0, kept_positions(cache, 0))
         greedy = int(logits.argmax())
         if self._choose(live, logits, greedy, evicted=False):
             return self._completion(live, cache, 0)
@@ -168,8 +177,18 @@ class Engine:
         if not self.rows:
             return done
         evicted = [n > 0 for n in self.cache.row_compactions]
+        watched = {
+            r: self.cache.row_compactions[r]
+            for r, live in enumerate(self.rows)
+            if live.request.on_compaction is not None
+        }
         tokens = torch.tensor([live.tokens[-1] for live in self.rows], device=self.runner.device)
         logits = self.runner.decode(self.cache, tokens)
+        for row, before in watched.items():
+            if self.cache.row_compactions[row] != before:
+                self.rows[row].request.on_compaction(
+                    len(self.rows[row].tokens), kept_positions(self.cache, row)
+                )
         greedy = logits.argmax(dim=-1).tolist()
         finished = [
             row
@@ -243,6 +262,7 @@ class Engine:
             first_evicted_index=live.first_evicted,
             prefill_seconds=live.prefill_seconds,
             seconds=time.perf_counter() - live.started,
+            mean_cache_tokens=stats.mean_cache_tokens,
         )
 
     # -- a whole batch ----------------------------------------------------------------------------

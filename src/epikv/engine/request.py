@@ -23,6 +23,10 @@ LogitsCallback = Callable[[int, torch.Tensor, bool], None]
 """Called before each token is chosen with (index, logits (V,), whether the cache had evicted)."""
 PrefillCallback = Callable[[int, int], None]
 """Called after each chunk of a prompt too long for one forward with (tokens done, prompt tokens)."""
+CompactionCallback = Callable[[int, torch.Tensor], None]
+"""Called after the cache compacted the request's row, with (index, positions): index = tokens chosen
+so far (the row has then seen prompt + index tokens); positions = (layers, H, L) true positions of the
+row's cached slots after the compaction, -1 at holes (H = 1 unless the policy selects per head)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Request:
     ``forced``, at most its length). stop_ids: token ids that end the request (EOS; empty to ignore
     EOS). forced: tokens fed instead of chosen ones (teacher forcing); the model's logits still reach
     ``on_logits``. on_prefill: progress of a long prompt's prefill (see ``PrefillCallback``).
+    on_compaction: observes what the cache kept (for studies; costs nothing when None).
     budget: this request's own K, at most the spec's (None = the spec's). prefix: a cache (batch 1,
     nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
     """
@@ -66,6 +71,7 @@ class Request:
     on_token: TokenCallback | None = None
     on_logits: LogitsCallback | None = None
     on_prefill: PrefillCallback | None = None
+    on_compaction: CompactionCallback | None = None
     prefix: Any = None
     prefix_length: int = 0
     id: int = field(default_factory=lambda: next(_ids))
@@ -95,6 +101,7 @@ class Completion:
     finish_reason: ``eos`` (a stop id), ``stop`` (``on_token`` asked), ``length``, or ``cancelled``.
     first_evicted_index: index of the first token chosen from logits of a cache that had already
     evicted (None if it never did). seconds: from the request's prefill to its last token.
+    mean_cache_tokens: tokens the row held per decode step, averaged (None if it never decoded).
     """
 
     request_id: int
@@ -108,3 +115,4 @@ class Completion:
     first_evicted_index: int | None
     prefill_seconds: float
     seconds: float
+    mean_cache_tokens: float | None = None
