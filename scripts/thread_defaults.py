@@ -1,6 +1,6 @@
 """Decode speed by torch thread count, on an idle machine and under a known load (issue: first hour).
 
-For each condition (``idle``; ``busy``: ``--load`` busy-looping processes started beside the run)
+For each condition (``--loads``: how many busy-looping processes run beside it; 0 = idle)
 and each thread count, a fresh process loads the embedded model and times ``epikv generate``
 (batch 1, ``--tokens`` forced new tokens, policy ``epikv``). Runs are interleaved and repeated; the
 load average is recorded beside each. Writes JSON and prints a table.
@@ -47,17 +47,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--load", type=int, default=2, help="busy-looping processes in the busy condition")
+    parser.add_argument("--loads", type=int, nargs="+", default=[0, 1, 2], help="busy-looping processes beside")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = []
     for repeat in range(args.repeats):
-        for condition in ("idle", "busy"):
-            spinners = (
-                [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.load)]
-                if condition == "busy"
-                else []
-            )
+        for spin in args.loads:
+            condition = f"spinners={spin}"
+            spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(spin)]
             try:
                 time.sleep(2 if spinners else 0)
                 order = args.threads if repeat % 2 == 0 else list(reversed(args.threads))
@@ -74,7 +71,7 @@ def main() -> None:
         f"{c}/{t}": statistics.median(
             r["tokens_per_s"] for r in runs if r["condition"] == c and r["threads"] == t
         )
-        for c in ("idle", "busy")
+        for c in (f"spinners={spin}" for spin in args.loads)
         for t in args.threads
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

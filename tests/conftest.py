@@ -11,6 +11,13 @@ from epikv.models.tiny import tiny_model as build_tiny_model
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_again():
+    """Commands under test choose their threads (``--threads auto``); the next test gets one again."""
+    yield
+    torch.set_num_threads(1)
+
+
 def make_tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
     """The library's tiny model (4 layers, sdpa, 4096 positions) named ``tiny-<arch>``."""
     return build_tiny_model(arch, seed, identity=f"tiny-{arch}")

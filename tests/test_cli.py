@@ -99,6 +99,8 @@ def test_unknown_policy_is_a_clear_error(capsys):
         (["generate", "--budget", "0", "hello"], "budget must be a positive"),
         (["generate", "--budget", "8", "hello"], "cannot hold the protected tokens"),
         (["generate", "   "], "prompt 0 is empty"),
+        (["generate", "--threads", "two", "hello"], "--threads must be 'auto' or a positive number"),
+        (["generate", "--threads", "0", "hello"], "got '0'"),
     ],
 )
 def test_bad_generate_input(capsys, argv, message):

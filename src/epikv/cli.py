@@ -18,6 +18,7 @@ from typing import Any
 
 from epikv.errors import Interrupted, run_command
 from epikv.policies import ALIASES, policy_class, policy_names
+from epikv.threads import THREADS_HELP, apply_threads
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +42,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.set_defaults(func=cmd_generate)
 
 
@@ -54,10 +55,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    threads = apply_threads(args.threads)
+    print(f"[epikv] {threads}", file=sys.stderr)
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_seconds = time.perf_counter() - started
@@ -91,6 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "policy": policy.config(),
         "bands": None if spec.bands is None else dataclasses.asdict(spec.bands),
         "load_seconds": load_seconds,
+        "threads": threads,
     }
     del report["token_ids"]
     if args.json:

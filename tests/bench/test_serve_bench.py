@@ -29,7 +29,7 @@ def test_bench_serve_on_a_tiny_model(serve_model_folder, tmp_path):
         concurrency=(1, 3),
         max_tokens=200,
         pool_requests=1,
-        capacity_requests=8,
+        capacity_waves=2,
         threads=1,
         timeout_s=300,
     )
@@ -53,8 +53,10 @@ def test_bench_serve_on_a_tiny_model(serve_model_folder, tmp_path):
     pool = capacity["kv_pool"]
     # streaming holds at most K + 1 = 129 slots per request (its prompts are shorter than that); the
     # full cache holds prompt + 200 tokens, and the pool is one such request of the longest prompt
-    assert capacity["policies"]["streaming"]["max_running"] == pool // 129 >= 2
-    assert capacity["policies"]["full"]["max_running"] == 1
+    streaming, full = capacity["policies"]["streaming"], capacity["policies"]["full"]
+    assert streaming["max_running"] == streaming["admits"] == pool // 129 >= 2
+    assert streaming["requests"] == 2 * streaming["admits"]  # two waves: the pool held the second back
+    assert full["max_running"] == full["admits"] == 1 and full["requests"] == 2
     assert "capacity_vs_full_tokens_per_s>=3" in results["targets"]
     described = [s["describe"] for s in document["config"]["cache_specs"]]  # from the servers' logs
     assert described == ["policy=full budget=none interval=1", "policy=streaming budget=128 interval=1"]

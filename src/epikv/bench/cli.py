@@ -95,7 +95,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         int,
         "capacity run: KV pool = this many full-cache requests (0: skip)",
     ),
-    "--capacity-requests": ("capacity_requests", int, "capacity run: requests sent at once"),
+    "--capacity-waves": ("capacity_waves", int, "capacity run: requests = waves x what the pool admits"),
 }
 _SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
 

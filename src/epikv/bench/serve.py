@@ -6,9 +6,11 @@ over HTTP: at each concurrency c, c clients each send streamed chat requests one
 so a change in the machine's load reaches them alike. Recorded per (policy, c): aggregate tokens/s,
 time to first token and inter-token latency (p50/p99, from chunk arrival times), and the server's
 peak resident memory. The **capacity run** gives every policy the same KV pool (enough for
-``pool_requests`` full-cache requests) and sends more requests than fit: how many run at once (the
-server's own gauge) and the throughput. It also times ``epikv generate`` on the same request, for
-the serving overhead at c = 1. Targets are reported, never asserted.
+``pool_requests`` full-cache requests) and sends each policy ``capacity_waves`` times the requests
+its pool admits at once (pool // (K + tau), or pool // (prompt + max_tokens) for the full cache, from
+the spec the server logs): how many ran at once (the server's own gauge) and the throughput. It also
+times ``epikv generate`` on the same request, for the serving overhead at c = 1. Targets are
+reported, never asserted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ServeBenchConfig:
     max_tokens: int = 2048
     rounds: int = 1
     pool_requests: int = 4
-    capacity_requests: int = 24
+    capacity_waves: int = 1
     prompt_source: str = "gsm8k"
     threads: int | None = 2
     timeout_s: float = 7200.0
@@ -48,8 +50,8 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if not self.policies or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("need some policies and concurrency levels >= 1")
-        if self.max_tokens < 2 or self.budget < 1 or self.rounds < 1:
-            raise ValueError("max_tokens must be >= 2, budget and rounds >= 1")
+        if self.max_tokens < 2 or self.budget < 1 or self.rounds < 1 or self.capacity_waves < 1:
+            raise ValueError("max_tokens must be >= 2; budget, rounds and capacity_waves >= 1")
 
 
 # A few minutes on an idle 2-core machine: two policies, short requests, a small K so that the
@@ -60,7 +62,6 @@ QUICK = ServeBenchConfig(
     concurrency=(1, 4),
     max_tokens=128,
     pool_requests=2,
-    capacity_requests=8,
 )
 
 
@@ -227,6 +228,16 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def admitted_at_once(server: Server, pool: int, prompt_tokens: int, max_tokens: int) -> int:
+    """How many requests the server's pool admits together: pool // (K + tau) for an evicting
+    policy, pool // (prompt + max_tokens) for one that keeps everything (budget none)."""
+    described = server_spec(server)["describe"]
+    fields = dict(part.split("=", 1) for part in described.split() if "=" in part)
+    if fields.get("budget", "none") == "none":
+        return max(1, pool // (prompt_tokens + max_tokens))
+    return max(1, pool // (int(fields["budget"]) + int(fields["interval"])))
+
+
 async def capacity_level(server: Server, prompts: list[str], count: int, max_tokens: int) -> dict[str, Any]:
     """``count`` requests at once against a pooled server; the most that ran together (the server's
     own high-water mark of its running batch)."""
@@ -337,8 +348,10 @@ def run_capacity(
         server = start_server(config, policy, pool, folder)
         try:
             wait_ready([server])
-            level = asyncio.run(capacity_level(server, prompts, config.capacity_requests, config.max_tokens))
-            out["policies"][policy] = {**level, "peak_rss_mb": server.peak_rss_mb}
+            admits = admitted_at_once(server, pool, prompt_tokens, config.max_tokens)
+            count = admits * config.capacity_waves
+            level = asyncio.run(capacity_level(server, prompts, count, config.max_tokens))
+            out["policies"][policy] = {**level, "admits": admits, "peak_rss_mb": server.peak_rss_mb}
             load.append(os.getloadavg()[0])
         finally:
             stop_servers([server])

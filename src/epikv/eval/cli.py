@@ -31,6 +31,7 @@ from epikv.eval.runs import RunSummary, load_runs
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
 from epikv.spec import parse_budget, parse_policy_params
+from epikv.threads import THREADS_HELP, apply_threads, parse_threads
 
 
 def _default_generator_factory(model_name: str | None) -> EngineFactory:
@@ -89,6 +90,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="record problems whose prompt cannot run under a (policy, budget) as skipped "
         "(counted apart, never as wrong) instead of stopping before any work",
     )
+    parser.add_argument("--threads", default="auto", help=THREADS_HELP + " (local runs)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--out", required=True, help="output folder")
     add_ray_arguments(parser)
@@ -148,11 +150,14 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     """Plans every (policy, budget) config and checks every owed prompt under each before anything
     is generated; then runs them and prints the table of the runs it touched."""
     configs = configs_from_args(args)  # a ValueError is one line from `epikv` (epikv.errors)
+    threads = getattr(args, "threads", "auto")
+    parse_threads(threads)
     check_output_dir(args.out)
     if ray_requested(args):
         return ray_eval_command(args, configs, engine)
     plans = [plan_run(config) for config in configs]
     print(describe_selection(plans), flush=True)
+    print(f"[epikv] {apply_threads(threads)}", file=sys.stderr)
     # Resolved at call time so tests can replace the module-level factory.
     engine = engine or _default_generator_factory(args.model)
     # Built only for runs that owe work, so a finished run never loads a model.

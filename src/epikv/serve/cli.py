@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
+from epikv.threads import THREADS_HELP, apply_threads
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--drain-seconds", type=float, default=5.0, help="on SIGTERM, wait this long, then cancel")
     add_ray_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
@@ -49,8 +50,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ImportError(
             f"{err.name} is missing; install the server with: pip install 'epikv[serve]'"
         ) from err
-    import torch
-
     from epikv.engine import SchedulerLimits
     from epikv.integration import build_spec
     from epikv.models import load_model, model_identity
@@ -60,8 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = apply_threads(args.threads)
     model, tokenizer = load_model(args.model)
     spec = build_spec(
         model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param
@@ -69,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or model_identity(model)
     app = build_app(model, tokenizer, spec, limits, name, args.max_tokens)
     log.warning(
-        "epikv serve: %s, model %s, %s, on http://%s:%d", spec.describe(), name, limits, args.host, args.port
+        "epikv serve: %s, model %s, %s, %s, on http://%s:%d",
+        *(spec.describe(), name, limits, threads, args.host, args.port),
     )
     drain = args.drain_seconds
 
