@@ -55,14 +55,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
-    threads = apply_threads(args.threads)
-    print(f"[epikv] {threads}", file=sys.stderr)
+    threads = apply_threads(args.threads)  # said after the model loads: a mistake stays one line
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_seconds = time.perf_counter() - started
     spec = build_spec(model, args.policy, budget, interval=args.interval, params=args.param)
     policy = spec.policy
     print(f"[epikv] {spec.describe()}", file=sys.stderr)  # which bands, from which profile (issue 12)
+    print(f"[epikv] {threads}", file=sys.stderr)
     streamer = None if args.json else _Streamer(tokenizer)
     try:
         result = generate(

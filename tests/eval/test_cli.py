@@ -126,7 +126,9 @@ def test_eval_says_and_records_which_bands_each_run_uses(
     argv = ["eval", "--dataset", "gsm8k", "--policy", "epikv-flat", "--policy", "streaming",
             "--budget", "256", "--limit", "3", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert cli.eval_command(parser().parse_args(argv), engine=with_spec) == 0
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[epikv]")]
+    said = capsys.readouterr()
+    assert "\nthreads " in said.out  # the --threads auto choice, beside the selection
+    lines = [line for line in said.err.splitlines() if line.startswith("[epikv]")]
     assert lines == [
         "[epikv] policy=epikv-flat budget=256 interval=1 bands A=7 B=26 (shipped profile smollm2-135m.json)",
         "[epikv] policy=streaming budget=256 interval=1",

@@ -157,7 +157,7 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
         return ray_eval_command(args, configs, engine)
     plans = [plan_run(config) for config in configs]
     print(describe_selection(plans), flush=True)
-    print(f"[epikv] {apply_threads(threads)}", file=sys.stderr)
+    print(apply_threads(threads), flush=True)  # beside the selection: errors stay one line on stderr
     # Resolved at call time so tests can replace the module-level factory.
     engine = engine or _default_generator_factory(args.model)
     # Built only for runs that owe work, so a finished run never loads a model.

@@ -27,8 +27,22 @@ _CONTENT_FIELDS = ("correct", "extracted", "gold", "tokens_generated", "finish_r
 _Record = TypeVar("_Record")
 
 
+class _Line:
+    """A record of one (id, sample) that is one JSON line of a file."""
+
+    id: str
+    sample: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.id, self.sample
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
-class ExampleResult:
+class ExampleResult(_Line):
     """One graded generation; one JSON line in a results file.
 
     `seconds` is this sequence's share of its generate call (call seconds / sequences in the call),
@@ -55,13 +69,6 @@ class ExampleResult:
     evictions: int
     text: str
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.id, self.sample
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExampleResult:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -72,20 +79,13 @@ class ExampleResult:
 
 
 @dataclass(frozen=True)
-class SkippedExample:
+class SkippedExample(_Line):
     """A (problem, sample) that was not generated because its prompt cannot run: one JSON line."""
 
     id: str
     sample: int
     reason: str
     prompt_tokens: int
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.id, self.sample
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SkippedExample:
