@@ -209,6 +209,13 @@ def test_plot_and_cli(genre_run, tmp_path, short_prompts, capsys):
     path = io.write_result(document, tmp_path)
     assert fidelity.plot_fidelity(path).stat().st_size > 5000
     assert (tmp_path / "fidelity-kept.png").stat().st_size > 5000
+    capsys.readouterr()
+    assert main(["bench", "table", str(path), "--genres", "prose"]) == 0
+    table = capsys.readouterr().out
+    assert "#### prose, equal K = 48" in table and "#### prose, equal peak memory = 49" in table
+    assert table.count("| streaming | 48 |") == 2 and "gsm8k-greedy" not in table  # K 48 = peak 49
+    assert main(["bench", "table", str(path), "--genres", "poetry"]) == 2
+    assert "--genres poetry: the result has prose, gsm8k-greedy, all" in capsys.readouterr().err
     code = main(
         [
             "bench",

@@ -137,6 +137,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("result", help="a <kind>.json written by epikv bench")
     plot.add_argument("--png", default=None, help="output path (default: beside the JSON)")
     plot.set_defaults(func=cmd_plot)
+    table = kinds.add_parser("table", help="print a fidelity result's comparisons as markdown tables")
+    table.add_argument("result", help="a fidelity.json written by epikv bench fidelity")
+    table.add_argument("--metric", default="agreement_tail", help="the column rows are ranked by")
+    table.add_argument("--genres", type=_names, default=None, help="genres to print (default: all)")
+    table.set_defaults(func=cmd_table)
 
 
 def build_config(kind: str, args: argparse.Namespace) -> Any:
@@ -167,6 +172,19 @@ def _announce(line: str) -> None:
     from tqdm.auto import tqdm
 
     tqdm.write(f"[epikv] {line}", file=sys.stderr)  # above a running bar, not through it
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    from epikv.bench.fidelity_summary import METRICS, markdown
+
+    if args.metric not in METRICS:
+        raise ValueError(f"--metric {args.metric!r} is not one of {', '.join(METRICS)}")
+    summary = io.read_result(args.result, "fidelity")["results"]["summary"]
+    unknown = sorted(set(args.genres or ()) - set(summary["genres"]))
+    if unknown:
+        raise ValueError(f"--genres {','.join(unknown)}: the result has {', '.join(summary['genres'])}")
+    print(markdown(summary, args.genres, args.metric))
+    return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

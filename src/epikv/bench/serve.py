@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -280,7 +281,7 @@ def generate_speed(config: ServeBenchConfig, prompt: str) -> float:
 
 def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> dict[str, Any]:
     """Sweep concurrency for every policy, then the capacity run; returns the document (the servers'
-    logs go to a temporary folder, quoted in the error if one fails)."""
+    logs go to a temporary folder, quoted in the error if one fails and removed after a success)."""
     reporter = reporter or io.Reporter()
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-serve-"))
     prompts = io.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
@@ -312,6 +313,7 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     bar.close()
     results = {"levels": levels, "capacity": capacity, "overhead": overhead, "load_average": load}
     results["targets"] = serve_targets(results, config)
+    shutil.rmtree(folder, ignore_errors=True)
     return io.make_document("serve", config, results, specs=reporter.specs)
 
 
