@@ -51,6 +51,7 @@ class SequenceResult:
     final_cache_tokens: int
     evictions: int
     seconds: float
+    mean_cache_tokens: float | None = None  # tokens held per decode step, averaged
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,6 +159,7 @@ def generate(
             final_cache_tokens=c.final_cache_tokens,
             evictions=c.evictions,
             seconds=c.seconds,
+            mean_cache_tokens=c.mean_cache_tokens,
         )
         for c in completions
     ]

@@ -148,6 +148,18 @@ def parse_budget(value: int | str | None) -> int | None:
     return value
 
 
+def budget_at_peak(
+    policy: str, peak: int, interval: int | None = None, params: Mapping[str, Any] | None = None
+) -> int:
+    """The K at which ``policy`` holds at most ``peak`` tokens (equal peak memory): peak - tau, tau
+    being ``interval``, an ``interval`` parameter, or the policy's own (1 for one that compacts every
+    step). A ValueError names the peak when nothing is left for K."""
+    tau = interval or (params or {}).get("interval") or policy_class(policy)().interval
+    if peak - tau < 1:
+        raise ValueError(f"peak {peak} is not above {policy}'s interval tau = {tau}: no budget is left")
+    return peak - tau
+
+
 def _bands_for(policy: Policy, model: ModelInfo) -> Bands | None:
     """The model's band profile for a policy that reads bands and does not set both itself."""
     if not policy.uses_bands:

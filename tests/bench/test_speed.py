@@ -44,6 +44,9 @@ def test_document_reports_each_policy(speed_doc):
         assert summary["peak_cache_tokens"] <= 64 + summary["interval"]
         assert len(summary["tokens_per_s_repeats"]) == 2
     assert results["policies"]["full"]["peak_cache_tokens"] == results["prompt_tokens"] + 60
+    full_mean = results["policies"]["full"]["mean_cache_tokens"]  # held after each of 60 steps, averaged
+    assert full_mean == pytest.approx(results["prompt_tokens"] + 30.5)
+    assert 0 < results["policies"]["streaming"]["mean_cache_tokens"] <= 65
     assert results["ratios"]["vs_full"]["full"] == 1.0
     assert "vs_h2o" not in results["ratios"]
     specs = {s["policy"]["name"]: s for s in speed_doc["config"]["cache_specs"]}  # each recorded once
@@ -106,3 +109,15 @@ def test_taking_turns_changes_nothing_but_the_timing(tiny_pair):
         assert trace.slots == alone.slots and trace.compactions == alone.compactions
         assert len(trace.step_s) == 30
     assert model.config._attn_implementation == "sdpa"  # h2o's eager turns were undone
+
+
+def test_equal_peak_gives_each_policy_its_own_budget(tiny_pair, short_prompts):
+    model, tok = tiny_pair
+    config = SpeedConfig(
+        policies=("full", "streaming", "epikv"), budget=999, peak=200, tokens=200, repeats=1,
+        prompt_source=str(short_prompts), prompt_index=0, bin_size=50,
+    )  # fmt: skip
+    policies = speed.run_speed(config, model, tok)["results"]["policies"]
+    assert policies["streaming"]["budget"] == 199 and policies["epikv"]["budget"] == 72  # 200 - tau
+    for name in ("streaming", "epikv"):
+        assert policies[name]["peak_cache_tokens"] <= 200 and policies[name]["within_bound"]

@@ -220,3 +220,19 @@ def test_ctrl_c_during_eval_keeps_the_results_and_says_so(
         f"epikv: interrupted: 2 results are kept under {tmp_path} (0 of 2 runs finished); "
         "run the same command again to resume"
     )
+
+
+def test_equal_peak_memory_gives_each_policy_its_own_budget() -> None:
+    base = ["eval", "--dataset", "gsm8k", "--out", "runs", "--peak", "384"]
+    args = parser().parse_args([*base, "--policy", "streaming", "--policy", "epikv", "--policy", "full"])
+    found = [(c.policy, c.budget) for c in cli.configs_from_args(args)]
+    assert found == [("streaming", 383), ("epikv", 256), ("full", None)]  # tau 1 and 128; full: none
+    args = parser().parse_args([*base, "--policy", "epikv", "--budget", "256", "--interval", "32"])
+    assert [c.budget for c in cli.configs_from_args(args)] == [256, 352]  # --budget and --peak both run
+    args = parser().parse_args([*base, "--policy", "snapkv", "--policy-param", "interval=64"])
+    assert [c.budget for c in cli.configs_from_args(args)] == [320]
+    args = parser().parse_args(
+        ["eval", "--dataset", "gsm8k", "--out", "r", "--policy", "epikv", "--peak", "100"]
+    )
+    with pytest.raises(ValueError, match="peak 100 is not above epikv's interval tau = 128"):
+        cli.configs_from_args(args)

@@ -10,14 +10,14 @@ from epikv.eval.records import ExampleResult
 
 def record(
     example_id: str, correct: bool, *, tokens: int = 100, cap_hit: bool = False, loop: bool = False,
-    seconds: float = 1.0, sample: int = 0,
+    seconds: float = 1.0, sample: int = 0, mean_cache: float | None = None,
 ) -> ExampleResult:  # fmt: skip
     return ExampleResult(
         id=example_id, sample=sample, correct=correct, extracted="1", gold="1", tokens_generated=tokens,
         prompt_tokens=5, finish_reason="length" if cap_hit else "eos", cap_hit=cap_hit, loop=loop,
         loop_onset=0 if loop else None, loop_period=1 if loop else None, seconds=seconds,
         call_seconds=seconds, batch_size=1, peak_cache_tokens=tokens, final_cache_tokens=tokens,
-        evictions=0, text="",
+        evictions=0, text="", mean_cache_tokens=mean_cache,
     )  # fmt: skip
 
 

@@ -17,7 +17,14 @@ def make_run(out: Path, policy: str, budget: int | None, outcomes: list[tuple[bo
     config = {"dataset": "math500", "policy": policy, "budget": budget, "max_new_tokens": 8192}
     (folder / "config.json").write_text(json.dumps(config))
     lines = [
-        record(f"p{i}", correct, cap_hit=cap, tokens=1000 * (i + 1), seconds=seconds).to_json()
+        record(
+            f"p{i}",
+            correct,
+            cap_hit=cap,
+            tokens=1000 * (i + 1),
+            seconds=seconds,
+            mean_cache=None if i % 2 else 500 * (i + 1),  # as if every other record were older
+        ).to_json()
         for i, (correct, cap, seconds) in enumerate(outcomes)
     ]
     (folder / "results.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -52,9 +59,15 @@ def test_table_has_the_right_numbers(runs: Path) -> None:
         "epikv/512", "epikv/1024", "full/full", "h2o/512", "h2o/1024",
     ]  # fmt: skip
     h2o_512 = lines[5]
-    # 1 of 4 correct: Wilson 95% [4.6, 69.9]; 2 of 4 hit the cap; mean tokens 2500; 20 s / 4 problems.
-    assert h2o_512 == "| math500 | h2o | 512 | 4 | 25.0 [4.6, 69.9] | 50.0 | 0.0 | 2500 | 5.00 |"
-    assert lines[3] == "| math500 | epikv | 1024 | 4 | 100.0 [51.0, 100.0] | 0.0 | 0.0 | 2500 | 1.00 |"
+    # 1 of 4 correct: Wilson 95% [4.6, 69.9]; 2 of 4 hit the cap; mean tokens 2500; peak cached 2500
+    # on average, mean cached (500 + 1500) / 2 over the records that have it; 20 s / 4 problems.
+    assert (
+        h2o_512 == "| math500 | h2o | 512 | 4 | 25.0 [4.6, 69.9] | 50.0 | 0.0 | 2500 | 2500 / 1000 | 5.00 |"
+    )
+    epikv_1024 = (
+        "| math500 | epikv | 1024 | 4 | 100.0 [51.0, 100.0] | 0.0 | 0.0 | 2500 | 2500 / 1000 | 1.00 |"
+    )
+    assert lines[3] == epikv_1024
 
 
 def test_plots_are_drawn_from_files_alone(runs: Path, tmp_path: Path) -> None:

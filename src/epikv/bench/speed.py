@@ -28,6 +28,8 @@ import torch
 from epikv.bench import io
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
+from epikv.policies import policy_class
+from epikv.spec import budget_at_peak
 
 DEFAULT_POLICIES = ("full", "epikv", "epikv-flat", "h2o")
 
@@ -39,6 +41,7 @@ class SpeedConfig:
     model: str | None = None
     policies: tuple[str, ...] = DEFAULT_POLICIES
     budget: int = 512
+    peak: int | None = None
     tokens: int = 2048
     interval: int | None = None
     repeats: int = 2
@@ -76,6 +79,7 @@ class DecodeTrace:
     compact_s: list[float] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     peak_cache_tokens: int = 0
+    mean_cache_tokens: float | None = None
     compactions: int = 0
     extra: Any = None
 
@@ -154,6 +158,7 @@ class PolicyDecode:
     def finish(self, on_finish: Callable[[Any], Any] | None = None) -> DecodeTrace:
         cache, trace = self.engine.cache, self.trace
         trace.peak_cache_tokens = cache.stats()[0].peak_cache_tokens
+        trace.mean_cache_tokens = cache.stats()[0].mean_cache_tokens
         trace.compactions = cache.compactions
         trace.extra = on_finish(cache) if on_finish is not None else None
         return trace
@@ -189,7 +194,7 @@ def interleaved(
     given, advances by the steps each turn decodes)."""
     reporter = reporter or io.Reporter()
     runs = {
-        p: PolicyDecode(model, input_ids, p, config.budget, config.interval, config.attention)
+        p: PolicyDecode(model, input_ids, p, budget_of(config, p), config.interval, config.attention)
         for p in policies
     }
     for run in runs.values():
@@ -201,6 +206,13 @@ def interleaved(
             if bar is not None:
                 bar.update(min(config.chunk, config.tokens - done))
     return {p: run.finish() for p, run in runs.items()}
+
+
+def budget_of(config: SpeedConfig, policy: str) -> int:
+    """The policy's K: ``budget``, or at equal peak memory (``peak`` set) peak - its own tau."""
+    if config.peak is None or not policy_class(policy).evicts:
+        return config.budget
+    return budget_at_peak(policy, config.peak, config.interval)
 
 
 def available_policies(wanted: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -234,7 +246,7 @@ def run_speed(
             for policy, trace in interleaved(model, ids, order, config, reporter, bar).items():
                 traces[policy].append(trace)
     summaries = {
-        p: summarize_policy(t, config.budget, ids.shape[1], config.bin_size) for p, t in traces.items()
+        p: summarize_policy(t, budget_of(config, p), ids.shape[1], config.bin_size) for p, t in traces.items()
     }
     equal_length_overhead(summaries, traces)
     results = {
@@ -282,11 +294,18 @@ def summarize_policy(
         "compaction_share_pct": 100 * compact_sum / sum(sum(t.step_s) for t in traces),
         "compactions": compactions / len(traces),
         "interval": interval,
+        "budget": budget,
         "peak_cache_tokens": peak,
+        "mean_cache_tokens": _mean_known(t.mean_cache_tokens for t in traces),
         "bound_tokens": budget + interval if evicts else None,
         "within_bound": (peak <= budget + interval) if evicts else None,
         "series": _binned(traces, mean_step, prompt_tokens, bin_size),
     }
+
+
+def _mean_known(values: Any) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def _binned(

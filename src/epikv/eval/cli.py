@@ -30,7 +30,7 @@ from epikv.eval.runner import RunOutcome, RunPlan, check_plan, execute, plan_run
 from epikv.eval.runs import RunSummary, load_runs
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
-from epikv.spec import parse_budget, parse_policy_params
+from epikv.spec import budget_at_peak, parse_budget, parse_policy_params
 from epikv.threads import THREADS_HELP, apply_threads, parse_threads
 
 
@@ -66,6 +66,13 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=parse_budget_arg,
         default=[],
         help="KV budget in tokens (repeatable); every evicting policy runs at each, `full` runs once",
+    )
+    parser.add_argument(
+        "--peak",
+        action="append",
+        type=parse_budget_arg,
+        default=[],
+        help="equal peak memory (repeatable): each evicting policy runs at K = peak - tau, its own tau",
     )
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--offset", type=int, default=0)
@@ -115,10 +122,13 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
     for policy in args.policy:
         if not policy_class(policy).evicts:
             pairs.append((policy, None))
-        elif not args.budget:
-            raise ValueError(f"policy {policy!r} evicts and needs --budget (a number of tokens)")
+        elif not args.budget and not getattr(args, "peak", None):
+            raise ValueError(f"policy {policy!r} evicts and needs --budget or --peak (a number of tokens)")
         else:
             pairs.extend((policy, budget) for budget in args.budget)
+            params = parse_policy_params(policy_class(policy), args.policy_param)
+            for peak in getattr(args, "peak", []):
+                pairs.append((policy, budget_at_peak(policy, peak, args.interval, params)))
     configs = []
     for policy, budget in dict.fromkeys(pairs):
         params = parse_policy_params(policy_class(policy), args.policy_param)

@@ -72,6 +72,11 @@ def _average(attribute: str) -> Callable[[Sequence[ExampleResult]], float | None
     return lambda records: _mean([getattr(r, attribute) for r in records])
 
 
+def _average_known(attribute: str) -> Callable[[Sequence[ExampleResult]], float | None]:
+    """The mean over records that have the value (older records may not)."""
+    return lambda records: _mean([v for r in records if (v := getattr(r, attribute)) is not None])
+
+
 METRICS: tuple[Metric, ...] = (
     Metric("accuracy", True, "mean", "fraction correct (pass@1 over samples)", _fraction("correct")),
     Metric("cap_hit_rate", False, "mean", "fraction stopped by the length cap", _fraction("cap_hit")),
@@ -79,6 +84,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("accuracy_finished", True, "mean", "accuracy of generations ended by EOS", _accuracy_finished),
     Metric("mean_tokens", None, "mean", "generated tokens per sequence", _average("tokens_generated")),
     Metric("mean_peak_cache_tokens", False, "mean", "peak cached tokens", _average("peak_cache_tokens")),
+    Metric("mean_cache_tokens", False, "mean", "cached tokens per step", _average_known("mean_cache_tokens")),
     Metric("seconds_per_problem", False, "sum / problems", "wall seconds per problem", _seconds_per_problem),
     Metric("tokens_per_second", True, "sum / sum", "generated tokens per wall second", _tokens_per_second),
 )

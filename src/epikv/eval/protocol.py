@@ -29,6 +29,7 @@ class SequenceResultLike(Protocol):
     final_cache_tokens: int
     evictions: int
     seconds: float
+    mean_cache_tokens: float | None
 
 
 class PromptFitLike(Protocol):

@@ -68,11 +68,13 @@ class ExampleResult(_Line):
     final_cache_tokens: int
     evictions: int
     text: str
+    mean_cache_tokens: float | None = None  # absent from records written before it was kept
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExampleResult:
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(data)
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = required - set(data)
         if missing:
             raise ValueError(f"result record lacks field(s) {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from epikv.eval.plots import draw_all
 from epikv.eval.runs import RunSummary, find_run_folders, load_run, load_runs
@@ -30,7 +31,7 @@ def _number(value: float | None, digits: int) -> str:
 def format_table(runs: Sequence[RunSummary]) -> str:
     """Markdown table, one row per run: accuracy with its Wilson 95% interval (percent), rates, costs."""
     columns = ["dataset", "policy", "budget", "n", "accuracy % [95% CI]", "cap-hit %", "loop %"]
-    columns += ["mean tokens", "s/problem"]
+    columns += ["mean tokens", "peak / mean cached", "s/problem"]
     rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in sorted(runs, key=_sort_key):
         s = run.summary
@@ -41,9 +42,16 @@ def format_table(runs: Sequence[RunSummary]) -> str:
         rows.append(
             f"| {run.dataset} | {run.policy} | {run.budget_label} | {n} | {accuracy} "
             f"| {_percent(s['cap_hit_rate'])} | {_percent(s['loop_rate'])} "
-            f"| {_number(s['mean_tokens'], 0)} | {_number(s['seconds_per_problem'], 2)} |"
+            f"| {_number(s['mean_tokens'], 0)} | {_cached(s)} | {_number(s['seconds_per_problem'], 2)} |"
         )
     return "\n".join(rows)
+
+
+def _cached(summary: dict[str, Any]) -> str:
+    """Peak and mean cached tokens per sequence (the memory a policy really used; older summaries
+    may lack either)."""
+    peak, mean = summary.get("mean_peak_cache_tokens"), summary.get("mean_cache_tokens")
+    return f"{_number(peak, 0)} / {_number(mean, 0)}"
 
 
 def report(dirs: Sequence[str | Path], plots: str | Path | None = None, regrade_text: bool = False) -> str:

@@ -90,6 +90,7 @@ def make_record(
         final_cache_tokens=result.final_cache_tokens,
         evictions=result.evictions,
         text=result.text,
+        mean_cache_tokens=getattr(result, "mean_cache_tokens", None),
     )
 
 
