@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("fastapi")
 
 from epikv.bench import io
-from epikv.bench.serve import ServeBenchConfig, plot_serve, run_serve, summarize_level
+from epikv.bench.serve import ServeBenchConfig, plot_serve, run_serve
+from epikv.bench.serve_clients import summarize_level
 
 
 def test_summarize_level_by_hand():
