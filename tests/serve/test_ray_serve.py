@@ -99,5 +99,7 @@ def test_replica_settings_are_the_serve_flags() -> None:
         64,
     )
     assert settings.budget_tokens() == 99
+    auto = ReplicaSettings.from_args(build_parser().parse_args(["serve", "--ray-replicas", "2"]))
+    assert auto.threads is None  # --threads auto: a replica keeps the threads Ray starts it with
     with pytest.raises(ValueError):
         ReplicaSettings(policy="streaming", params=("no_such_field=1",)).budget_tokens()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epikv.cluster import connected, gpus_or_default, import_ray, import_serve
+from epikv.threads import parse_threads
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class ReplicaSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplicaSettings:
-        names = [name for name in cls.__dataclass_fields__ if name != "params"]
-        return cls(params=tuple(args.param), **{name: getattr(args, name) for name in names})
+        names = [name for name in cls.__dataclass_fields__ if name not in ("params", "threads")]
+        # --threads auto: a replica keeps the threads Ray starts it with (set --threads to choose)
+        threads = parse_threads(args.threads)
+        return cls(params=tuple(args.param), threads=threads, **{name: getattr(args, name) for name in names})
 
     def budget_tokens(self) -> int | None:
         """The budget as the engine takes it; raises ValueError for a bad budget or policy parameter,
