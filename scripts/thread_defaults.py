@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--loads", type=int, nargs="+", default=[0, 1, 2], help="busy-looping processes beside")
+    parser.add_argument("--loads", type=int, nargs="+", default=[0, 1, 2], help="busy processes beside it")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = []
