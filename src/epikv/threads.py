@@ -28,12 +28,8 @@ def parse_threads(value: str | int | None) -> int | None:
     return int(text)
 
 
-def auto_threads(cores: int | None = None, load: float | None = None) -> int:
-    """The cores not busy now: ``cores - round(load)``, at least 1 (all cores where the OS reports
-    no load average)."""
-    cores = cores if cores is not None else (os.cpu_count() or 1)
-    if load is None:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+def auto_threads(cores: int, load: float) -> int:
+    """The cores not busy: ``cores - round(load)``, at least 1 and at most ``cores``."""
     return max(1, min(cores, cores - round(load)))
 
 
@@ -46,7 +42,7 @@ def apply_threads(value: str | int | None) -> str:
         torch.set_num_threads(asked)
         return f"threads {asked} (--threads)"
     cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0  # none reported: all cores
     chosen = auto_threads(cores, load)
     torch.set_num_threads(chosen)
     return f"threads {chosen} (auto: {cores} cores, load {load:.1f}; set --threads to choose)"

@@ -126,13 +126,13 @@ def repeated_suffix(
 ) -> int | None:
     """The smallest period p <= max_period such that the last max(min_span, p * min_repeats)
     tokens repeat with period p (the text is stuck in a loop), or None."""
-    n = len(tokens)
+    from epikv.eval.loops import periodic_tail_span  # eval's loop detector owns the periodicity test
+
     for period in range(1, max_period + 1):
         span = max(min_span, period * min_repeats)
-        if span > n:
+        if span > len(tokens):
             break
-        tail = tokens[n - span :]
-        if tail[period:] == tail[:-period]:
+        if periodic_tail_span(tokens, period) >= span:
             return period
     return None
 

@@ -119,19 +119,18 @@ class BudgetedCache(Cache):
             self.budgets = [self.budget] * batch
             self.evicted, self.row_compactions = [0] * batch, [0] * batch
             self.held_sum, self.passes = [0] * batch, [0] * batch
-        elif self._prefill_open:  # a later chunk of the prompt: the prompt grows, nothing is decoded
-            self.prompt_len = self.prompt_len + new_valid.sum(dim=-1)
-            for tokens in self.prompt_len.tolist():  # one host sync per chunk
-                self.spec.check_prompt(tokens, self.budget)
-            self.valid = torch.cat([self.valid, new_valid], dim=-1)
-            self.held = [h + q for h in self.held]
-            self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
+            chunk = self._prefill_open  # a later chunk of the prompt: the prompt grows, nothing is decoded
+            if chunk:
+                self.prompt_len = self.prompt_len + new_valid.sum(dim=-1)
+                for tokens in self.prompt_len.tolist():  # one host sync per chunk
+                    self.spec.check_prompt(tokens, self.budget)
             self.valid = torch.cat([self.valid, new_valid], dim=-1)
             self.held = [h + q for h in self.held]
             self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
-            self.held_sum = [s + h for s, h in zip(self.held_sum, self.held, strict=True)]
-            self.passes = [n + 1 for n in self.passes]
+            if not chunk:  # a decode pass: counted for the mean cache a row holds
+                self.held_sum = [s + h for s, h in zip(self.held_sum, self.held, strict=True)]
+                self.passes = [n + 1 for n in self.passes]
         self._pending = positions.masked_fill(~new_valid, -1).to(torch.int32)
 
     def end_step(self, signals: StepSignals) -> None:

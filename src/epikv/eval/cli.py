@@ -118,20 +118,19 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
     """One config per (evicting policy, budget) and one per non-evicting policy (no budget), in the
     order given; duplicates are dropped. Policy parameters are parsed by each policy's field types."""
+    params = {p: parse_policy_params(policy_class(p), args.policy_param) for p in args.policy}
+    peaks = getattr(args, "peak", [])
     pairs: list[tuple[str, int | None]] = []
     for policy in args.policy:
         if not policy_class(policy).evicts:
             pairs.append((policy, None))
-        elif not args.budget and not getattr(args, "peak", None):
+        elif not args.budget and not peaks:
             raise ValueError(f"policy {policy!r} evicts and needs --budget or --peak (a number of tokens)")
         else:
             pairs.extend((policy, budget) for budget in args.budget)
-            params = parse_policy_params(policy_class(policy), args.policy_param)
-            for peak in getattr(args, "peak", []):
-                pairs.append((policy, budget_at_peak(policy, peak, args.interval, params)))
+            pairs.extend((policy, budget_at_peak(policy, p, args.interval, params[policy])) for p in peaks)
     configs = []
     for policy, budget in dict.fromkeys(pairs):
-        params = parse_policy_params(policy_class(policy), args.policy_param)
         configs.append(
             EvalConfig(
                 dataset=args.dataset,
@@ -149,7 +148,7 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
                 batch_size=args.batch_size,
                 shard=args.shard,
                 interval=args.interval,
-                policy_params=json.loads(json.dumps(params)),  # the saved (JSON) form: tuples as lists
+                policy_params=json.loads(json.dumps(params[policy])),  # saved (JSON) form: tuples as lists
                 progress=not args.no_progress,
             )
         )

@@ -95,7 +95,7 @@ class _Routes:
         job = await self._submit(request, ids, "messages")
         rid = p.new_id("chatcmpl")
         if request.stream:
-            return _sse(self._chat_stream(http, job, request, rid))
+            return _sse(self._chat_stream(job, request, rid))
         outcome = await self._wait(http, job)
         return p.chat_response(rid, request.model, outcome.text, outcome.finish_reason, _usage(outcome))
 
@@ -107,7 +107,7 @@ class _Routes:
         job = await self._submit(request, ids, "prompt")
         rid = p.new_id("cmpl")
         if request.stream:
-            return _sse(self._completion_stream(http, job, request, rid))
+            return _sse(self._completion_stream(job, request, rid))
         outcome = await self._wait(http, job)
         return p.completion_response(rid, request.model, outcome.text, outcome.finish_reason, _usage(outcome))
 
@@ -175,9 +175,7 @@ class _Routes:
             if not finished:
                 self.worker.cancel(job.request.id)
 
-    async def _chat_stream(
-        self, http: Request, job: Job, request: p.ChatRequest, rid: str
-    ) -> AsyncIterator[str]:
+    async def _chat_stream(self, job: Job, request: p.ChatRequest, rid: str) -> AsyncIterator[str]:
         model = request.model
         yield _data(p.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         async for kind, value in self._events(job):
@@ -195,7 +193,7 @@ class _Routes:
         yield "data: [DONE]\n\n"
 
     async def _completion_stream(
-        self, http: Request, job: Job, request: p.CompletionRequest, rid: str
+        self, job: Job, request: p.CompletionRequest, rid: str
     ) -> AsyncIterator[str]:
         model = request.model
         async for kind, value in self._events(job):
