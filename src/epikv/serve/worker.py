@@ -101,14 +101,12 @@ class EngineWorker:
                     if self.engine.has_work():
                         self._step()
                     if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
-                        self._fail_all(
-                            ServeError("the server is shutting down", status=503, code="shutting_down")
-                        )
+                        self._fail_all(_shutting_down())
         except BaseException as err:  # the thread must not die silently
             log.exception("engine thread failed")
             self.error = err
         finally:
-            self._fail_all(ServeError("the server is shutting down", status=503, code="shutting_down"))
+            self._fail_all(_shutting_down())
 
     def _drain(self, block: bool) -> None:
         try:
@@ -126,9 +124,7 @@ class EngineWorker:
         if kind == "submit":
             job: Job = value
             if self.drain_deadline is not None:
-                future.set_exception(
-                    ServeError("the server is shutting down", status=503, code="shutting_down")
-                )
+                future.set_exception(_shutting_down())
                 return
             try:
                 self.engine.submit(job.request)
@@ -186,3 +182,7 @@ class EngineWorker:
         if delta:
             job.emit("text", delta)
         return stopped
+
+
+def _shutting_down() -> ServeError:
+    return ServeError("the server is shutting down", status=503, code="shutting_down")
