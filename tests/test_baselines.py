@@ -15,7 +15,7 @@ import torch
 
 import epikv
 from epikv import scoring
-from epikv.cache import BudgetedCache, CacheView
+from epikv.cache import BudgetedCache, SlotView
 from epikv.policies import get_policy
 from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.raas import RaaS
@@ -141,7 +141,7 @@ def test_snapkv_window_rows_follow_the_slots(interval):
     policy = SnapKV(window=4, kernel=3, interval=interval, recent=2)
 
     def check(cache, record):
-        got = cache.policy.score(cache.state, CacheView(cache, None, cache.budget))  # (G, 1, H, L)
+        got = cache.policy.score(cache.state, SlotView(cache, None, cache.budget))  # (G, 1, H, L)
         for layer in range(2):
             pos = cache.layers[layer].positions[0].expand(2, -1)
             for h in range(2):
@@ -186,7 +186,7 @@ def test_rkv_score_matches_loops(interval):
     checked = []
 
     def check(cache, record):
-        got = cache.policy.score(cache.state, CacheView(cache, None, cache.budget))
+        got = cache.policy.score(cache.state, SlotView(cache, None, cache.budget))
         for layer in range(2):
             pos = cache.layers[layer].positions[0].expand(2, -1)
             for h in range(2):

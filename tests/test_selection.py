@@ -21,16 +21,17 @@ def test_keeps_true_topk_plus_protected_in_order():
     assert sel.valid.all() and sel.kept.tolist() == [8]
 
 
-def test_minus_inf_is_dropped_and_rows_get_front_holes():
+def test_minus_inf_is_dropped_and_rows_get_end_holes():
     scores = torch.zeros(1, 2, 1, 6)
     scores[0, 1, 0, 2:] = float("-inf")  # row 1 may keep only slots 0, 1
     valid = torch.ones(2, 6, dtype=torch.bool)
     valid[0, 0] = False  # row 0 slot 0 is padding
     sel = select_keep(scores, torch.zeros(2, 6, dtype=torch.bool), valid, torch.tensor([4, 4]))
     assert sel.kept.tolist() == [4, 2]
-    assert sel.valid.tolist() == [[True] * 4, [False, False, True, True]]
+    # Kept slots first, holes last: the cache writes a row's kept slots at the front of its row.
+    assert sel.valid.tolist() == [[True] * 4, [True, True, False, False]]
     assert sel.index[0, 0, 0].tolist() == [2, 3, 4, 5]  # padding never kept; ties keep the newer slot
-    assert sel.index[0, 1, 0, 2:].tolist() == [0, 1]
+    assert sel.index[0, 1, 0, :2].tolist() == [0, 1]
 
 
 def test_per_head_selection_and_gather():

@@ -51,10 +51,17 @@ def test_one_meaning_for_a_budget():
 
 
 def test_peak_tokens_is_the_reservation():
-    s = spec("epikv", 256)  # tau 128
+    s = spec("epikv", 256, first_compaction="after_prefill")  # tau 128
     assert s.peak_tokens(100, 50) == 150  # never reaches the budget
     assert s.peak_tokens(100, 2000) == 256 + 128
     assert s.peak_tokens(500, 2000) == 500  # a prompt longer than K + tau is held whole once
+    # Seg-Q's own schedule (the authors' harness): the first compaction waits tau decode steps, so a
+    # prompt longer than K is held whole for tau more tokens.
+    harness = spec("epikv", 256)
+    assert harness.policy.first_compaction == "after_interval"
+    assert harness.peak_tokens(100, 2000) == 256 + 128
+    assert harness.peak_tokens(500, 2000) == 500 + 128
+    assert harness.peak_tokens(500, 60) == 560
     assert CacheSpec.build(INFO, "full").peak_tokens(100, 2000) == 2100
 
 

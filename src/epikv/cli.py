@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from epikv.errors import Interrupted, run_command
+from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP
 from epikv.policies import ALIASES, policy_class, policy_names
 from epikv.threads import THREADS_HELP, apply_threads
 
@@ -43,26 +44,28 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from epikv.generation import SamplingConfig, generate
     from epikv.integration import attention_implementation, build_spec
-    from epikv.models import load_model, model_identity
+    from epikv.models import load_model, model_identity, resolve_dtype
     from epikv.spec import parse_budget, parse_policy_params
 
     parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
     threads = apply_threads(args.threads)  # said after the model loads: a mistake stays one line
+    dtype, dtype_note = resolve_dtype(args.dtype)
     started = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype)
     load_seconds = time.perf_counter() - started
     spec = build_spec(model, args.policy, budget, interval=args.interval, params=args.param)
     policy = spec.policy
     print(f"[epikv] {spec.describe()}", file=sys.stderr)  # which bands, from which profile (issue 12)
-    print(f"[epikv] {threads}", file=sys.stderr)
+    print(f"[epikv] {threads}; {dtype_note}", file=sys.stderr)
     streamer = None if args.json else _Streamer(tokenizer)
     try:
         result = generate(
@@ -91,6 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "bands": None if spec.bands is None else dataclasses.asdict(spec.bands),
         "load_seconds": load_seconds,
         "threads": threads,
+        "dtype": str(dtype).removeprefix("torch."),
+        "dtype_choice": dtype_note,
     }
     del report["token_ids"]
     if args.json:

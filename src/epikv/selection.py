@@ -4,8 +4,8 @@ Protected slots (prompt or sinks, recent window, a policy's forced keeps) are +i
 must drop are -inf, the rest compete by score. Kept indices come back sorted by slot, i.e. by
 position, so a gather keeps positional order (a peer library loses it by gathering unsorted top-k
 indices). Rows of a batch may keep different counts (different prompt lengths, capped policies): a
-row that keeps fewer slots than the widest row gets masked "holes" at the front, the same layout
-as left padding.
+row that keeps fewer slots than the widest row gets masked "holes" at the end, so its kept slots
+land at the front of its row (the cache's left-aligned layout).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 class Selection:
     """Result of :func:`select_keep`.
 
-    index: (G, B, H, k) slot indices to gather (holes point at slot 0); valid: (B, k) bool, False at
-    holes; kept: (B,) number of real slots kept per row.
+    index: (G, B, H, k) slot indices to gather (holes come last and point at the last slot); valid:
+    (B, k) bool, False at holes; kept: (B,) number of real slots kept per row.
     """
 
     index: torch.Tensor
@@ -76,9 +76,9 @@ def select_keep(
     top = length - 1 - s.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
     rank = torch.arange(k_max, device=s.device)
     real = rank[None, None, None, :] < kept[None, :, None, None]
-    ordered = torch.where(real, top, torch.full_like(top, -1)).sort(dim=-1).values
-    index = ordered.clamp_min(0)
-    new_valid = rank[None, :] >= (k_max - kept)[:, None]
+    ordered = torch.where(real, top, torch.full_like(top, length)).sort(dim=-1).values
+    index = ordered.clamp_max(length - 1)
+    new_valid = rank[None, :] < kept[:, None]
     return Selection(index=index, valid=new_valid, kept=kept)
 
 

@@ -101,12 +101,28 @@ class CacheSpec:
             f"{self.min_budget(prompt_tokens)}"
         )
 
+    def row_budget(self, budget: int | None) -> int | None:
+        """A row's K: ``budget`` (a request's own, at most the spec's), or the spec's when None."""
+        if budget is None:
+            return self.budget
+        if self.budget is None or not 0 < budget <= self.budget:
+            raise ValueError(
+                f"a request's budget must be in 1..{self.budget}, at most the engine's (its spec's K), "
+                f"got {budget}"
+            )
+        return budget
+
     def peak_tokens(self, prompt_tokens: int, max_new_tokens: int, budget: int | None = None) -> int:
         """Most cache slots one sequence can hold: prompt + generated tokens, capped by K + tau once
-        it evicts (a prompt longer than K is held whole until its first compaction)."""
+        it evicts (a prompt longer than K is held whole until its first compaction, which comes right
+        after the prefill or tau decode steps later, as the policy's ``first_compaction`` says)."""
         k = self.budget if budget is None else budget
         total = prompt_tokens + max_new_tokens
-        return total if k is None else min(total, max(prompt_tokens, k + self.interval))
+        if k is None:
+            return total
+        if self.policy.first_compaction == "after_interval":
+            return min(total, max(prompt_tokens, k) + self.interval)
+        return min(total, max(prompt_tokens, k + self.interval))
 
     def config(self) -> dict[str, Any]:
         """The resolved spec as saved next to results."""

@@ -22,7 +22,8 @@ def test_pool_and_first_come_first_served():
     assert admit_all(s) == ["a"]  # b does not fit, and c may not overtake it
     assert s.reserved_slots == 60 and [i for i, _ in s.waiting] == ["b", "c"]
     s.release(hash("a"))
-    assert admit_all(s) == ["b", "c"] and s.reserved_slots == 60
+    # The arena is a rectangle: two rows as wide as the widest reservation (50) hold 100 slots.
+    assert admit_all(s) == ["b", "c"] and s.reserved_slots == 100
 
 
 def test_batch_limit():

@@ -20,11 +20,12 @@ from typing import Any
 from epikv.bench import io
 from epikv.outputs import check_output_dir, check_output_file
 
-KINDS = ("memory", "speed", "fidelity", "capacity", "peer", "serve")
+KINDS = ("memory", "speed", "step", "fidelity", "capacity", "peer", "serve")
 # One line each for `epikv bench --help` (the run functions' docstrings are written for readers of code).
 KIND_HELP = {
     "memory": "peak memory of one forward: eager vs SDPA vs EpiKV's capture",
     "speed": "decode tokens/s and compaction cost of each policy",
+    "step": "the decode step against the memory-traffic bound (batch x cached tokens x dtype)",
     "fidelity": "agreement and KL with the full cache, per policy and budget",
     "capacity": "requests that fit in GPU memory per context (no model runs)",
     "peer": "side by side with NVIDIA kvpress: speed, memory, kept set",
@@ -51,6 +52,8 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--threads": ("threads", int, "torch CPU threads (default 1: stable timings on a shared machine)"),
     "--policies": ("policies", _names, "comma-separated policies (missing ones are reported, not fatal)"),
     "--budget": ("budget", int, "KV budget K in tokens"),
+    "--batches": ("batches", _ints, "comma-separated batch sizes"),
+    "--dtypes": ("dtypes", _names, "comma-separated dtypes (float32,bfloat16)"),
     "--budgets": ("budgets", _ints, "comma-separated budgets"),
     "--interval": ("interval", int, "compaction interval tau (default: each policy's own)"),
     "--tokens": ("tokens", int, "forced decode tokens (EOS ignored)"),
@@ -109,7 +112,7 @@ def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: memory, speed, fidelity, capacity, peer, serve")
+    bench = sub.add_parser("bench", help="benchmarks: memory, speed, step, fidelity, capacity, peer, serve")
     kinds = bench.add_subparsers(dest="bench_kind", required=True, title="benchmarks", metavar="KIND")
     for kind in KINDS:
         config_class = _kind(kind)[0]

@@ -1,9 +1,21 @@
-"""The budgeted KV cache (see :mod:`epikv.cache.budgeted`): a cache layer that keeps true positions
-(``layer``), the cache that owns budgets, per-row books and compaction (``budgeted``), and what
-policies and users read from it (``view``)."""
+"""The budgeted KV cache (see :mod:`epikv.cache.budgeted`): the preallocated KV arena (``arena``), a
+cache layer over it in transformers' contract (``layer``), the per-row books (``books``), the cache
+that owns budgets, rows and compaction (``budgeted``), and what policies and users read from it
+(``view``)."""
 
+from epikv.cache.arena import Arena, ArenaShape
+from epikv.cache.books import RowBooks
 from epikv.cache.budgeted import BudgetedCache, QueryProjector
 from epikv.cache.layer import BudgetedLayer
-from epikv.cache.view import CacheView, SequenceStats
+from epikv.cache.view import SequenceStats, SlotView
 
-__all__ = ["BudgetedCache", "BudgetedLayer", "CacheView", "QueryProjector", "SequenceStats"]
+__all__ = [
+    "Arena",
+    "ArenaShape",
+    "BudgetedCache",
+    "BudgetedLayer",
+    "QueryProjector",
+    "RowBooks",
+    "SequenceStats",
+    "SlotView",
+]

@@ -1,100 +1,111 @@
-"""A cache layer that keeps the true position of every slot, and the slot-level row operations
-(compact, rewrite some rows in place, take rows, append rows) the budgeted cache is built from."""
+"""One decoder layer's view of the KV arena, in transformers' cache-layer contract.
+
+A :class:`BudgetedLayer` owns no storage: its keys and values are the layer's tensors in the
+cache's :class:`~epikv.cache.arena.Arena`, and :meth:`update` writes a step's new keys and values
+at the slots the cache chose for them (:class:`Writes`) and returns views of the live rectangle —
+nothing is concatenated. The cache owns rows, slots and positions; the layer only writes and reads.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.functional import pad
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin
 
-from epikv.selection import gather_slots, gather_tokens
+from epikv.cache.arena import Arena
 
 
-class BudgetedLayer(DynamicLayer):
-    """A growing cache layer that also records the true position of every slot, (B, Hp, L) int32,
-    where Hp is 1 unless the policy selects per head (then heads hold different tokens)."""
+@dataclass(frozen=True)
+class Writes:
+    """Where a step's q new tokens go: slots ``start``..``start+q-1`` of rows 0..rows-1 when every
+    row is at the same fill (``index`` None), else slot ``index[r]`` of row r (q = 1); ``width`` is
+    the live rectangle's width after the step."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.positions: torch.Tensor | None = None
+    rows: int
+    width: int
+    start: int = 0
+    index: torch.Tensor | None = None
+    row_ids: torch.Tensor | None = None
+
+
+class BudgetedLayer(CacheLayerMixin):
+    """Keys and values of one layer: views of the arena (rows x width), written in place."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, arena: Arena, index: int) -> None:  # no super().__init__: keys are views
+        self.arena, self.index = arena, index
+        self.rows = self.width = 0
+        self.is_initialized = True
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if not self.arena.allocated:
+            return None
+        return self.arena.keys[self.index][: self.rows, :, : self.width]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if not self.arena.allocated:
+            return None
+        return self.arena.values[self.index][: self.rows, :, : self.width]
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """True positions of the live slots, (rows, Hp, width) int32; -1 at holes."""
+        if not self.arena.allocated:
+            return None
+        return self.arena.positions[self.index, : self.rows, :, : self.width]
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.arena.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the cache allocates the arena before the first write."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        positions = kwargs.pop("positions", None)
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        if positions is not None:
-            new = positions[:, None, :]
-            if self.positions is not None:
-                new = torch.cat([self.positions, new.expand(-1, self.positions.shape[1], -1)], dim=-1)
-            self.positions = new
-        return keys, values
+        writes: Writes = kwargs["writes"]
+        keys, values = self.arena.keys[self.index], self.arena.values[self.index]
+        if writes.index is None:
+            end = writes.start + key_states.shape[2]
+            keys[: writes.rows, :, writes.start : end] = key_states
+            values[: writes.rows, :, writes.start : end] = value_states
+        else:
+            keys[writes.row_ids, :, writes.index] = key_states[:, :, 0]
+            values[writes.row_ids, :, writes.index] = value_states[:, :, 0]
+        self.rows, self.width = writes.rows, writes.width
+        return keys[: writes.rows, :, : writes.width], values[: writes.rows, :, : writes.width]
 
-    def compact(self, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the slots ``index`` (B, 1 or H, k); ``valid`` (B, k) marks holes as False."""
-        self.keys = gather_slots(self.keys, index)
-        self.values = gather_slots(self.values, index)
-        pos = self.positions.expand(-1, index.shape[1], -1).gather(-1, index.to(torch.long))
-        self.positions = pos.masked_fill(~valid[:, None, :], -1)
+    def resize(self, rows: int, width: int) -> None:
+        self.rows, self.width = rows, width
 
-    def rewrite_rows(self, rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> None:
-        """Rows ``rows`` keep slots ``index`` (b, 1 or H, k), written at the end of their rows in place
-        (holes before them); ``valid`` (b, k). Other rows are not touched."""
-        length, k = self.keys.shape[2], index.shape[-1]
-        self.keys[rows, :, length - k :] = gather_slots(self.keys[rows], index)
-        self.values[rows, :, length - k :] = gather_slots(self.values[rows], index)
-        pos = self.positions[rows].expand(-1, index.shape[1], -1).gather(-1, index.to(torch.long))
-        if pos.shape[1] != self.positions.shape[1]:  # per-head selection of a layer that held one row
-            self.positions = self.positions.expand(-1, pos.shape[1], -1).clone()
-        self.positions[rows] = pad(pos.masked_fill(~valid[:, None, :], -1), (length - k, 0), value=-1)
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width + query_length, 0
 
-    # -- rows (continuous batching) -------------------------------------------------------------
-    def take_rows(self, index: torch.Tensor | None, trim: int) -> None:
-        """Keep rows ``index`` (all if None) and drop the first ``trim`` slots (holes in every row)."""
-        pick = slice(None) if index is None else index
-        self.keys = self.keys[pick, :, trim:]
-        self.values = self.values[pick, :, trim:]
-        self.positions = self.positions[pick, :, trim:]
+    def get_seq_length(self) -> int:
+        return self.width
 
-    def append_rows(self, other: BudgetedLayer) -> None:
-        """Add ``other``'s rows after these, left-padding the shorter side with holes."""
-        length = max(self.keys.shape[2], other.keys.shape[2])
-        parts = [left_pad_layer(layer, length) for layer in (self, other)]
-        self.keys = torch.cat([p[0] for p in parts])
-        self.values = torch.cat([p[1] for p in parts])
-        # A row that compacted per head carries a position per head; one that did not, one for all.
-        heads = max(p[2].shape[1] for p in parts)
-        self.positions = torch.cat([p[2].expand(-1, heads, -1) for p in parts])
+    def get_max_length(self) -> int:
+        return -1
 
     def reset(self) -> None:
-        super().reset()
-        self.positions = None
+        self.rows = self.width = 0
 
+    # The row verbs transformers' generate may call would move keys without their positions, books and
+    # policy state: the cache's own row operations (take_rows, append) are the only way rows move.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("beam search is not supported with a budgeted cache (its rows evict independently)")
 
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a budgeted cache cannot be cropped (assisted decoding is not supported)")
 
-def rewrite_token_rows(buf: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A per-token buffer (G, B, H, L) whose rows ``rows`` keep slots ``index`` (G', b, H', k) at their
-    end (zeros before them); G and H broadcast, so the buffer may come back wider."""
-    kept = gather_tokens(buf.index_select(1, rows), index)
-    g, h = max(buf.shape[0], kept.shape[0]), max(buf.shape[2], kept.shape[2])
-    out = buf.expand(g, -1, h, -1).clone() if (g, h) != (buf.shape[0], buf.shape[2]) else buf
-    out[:, rows] = pad(kept, (buf.shape[-1] - kept.shape[-1], 0))
-    return out
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("a budgeted cache cannot repeat rows (use one row per sequence)")
 
-
-def left_pad_layer(layer: BudgetedLayer, length: int) -> tuple[torch.Tensor, ...]:
-    n = length - layer.keys.shape[2]
-    if n == 0:
-        return layer.keys, layer.values, layer.positions
-    return (
-        pad(layer.keys, (0, 0, n, 0)),
-        pad(layer.values, (0, 0, n, 0)),
-        pad(layer.positions, (n, 0), value=-1),
-    )
-
-
-def left_pad(x: torch.Tensor, length: int, value: Any) -> torch.Tensor:
-    """Left-pad the last dim of x to ``length`` with ``value`` (holes at the front, as padding)."""
-    return pad(x, (length - x.shape[-1], 0), value=value)
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("a budgeted cache keeps rows through BudgetedCache.take_rows only")

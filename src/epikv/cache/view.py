@@ -22,7 +22,7 @@ class SequenceStats:
     mean_cache_tokens: float | None = None
 
 
-class CacheView:
+class SlotView:
     """The read-only view policies score from (implements ``epikv.policies.base.CacheView``): some
     rows of the cache (all when ``rows`` is None) at one budget."""
 

@@ -72,9 +72,20 @@ class _Live:
 
 def kept_positions(cache: BudgetedCache, row: int) -> torch.Tensor:
     """True positions of one row's cached slots in every layer, (layers, H, L); -1 at holes."""
-    layers = [layer.positions[row] for layer in cache.layers]
-    heads = max(p.shape[0] for p in layers)
-    return torch.stack([p.expand(heads, -1) for p in layers])
+    return cache.row_positions(row).clone()
+
+
+def fill_gaps(rows: int, leaving: list[int]) -> list[int]:
+    """The rows that stay, in their new order: the last staying rows move into the gaps the leaving
+    ones open, so only they are copied (rows are independent; their order carries no meaning)."""
+    gone = set(leaving)
+    keep = [r for r in range(rows) if r not in gone]
+    tail = [r for r in keep if r >= len(keep)]
+    out = [r if r < len(keep) and r not in gone else None for r in range(len(keep))]
+    for i, slot in enumerate(out):
+        if slot is None:
+            out[i] = tail.pop()
+    return [r for r in out if r is not None]
 
 
 class Engine:
@@ -84,7 +95,7 @@ class Engine:
         self.spec = spec
         self.runner = Runner(model, spec)
         self.scheduler: Scheduler[Request] = Scheduler(limits)
-        self.cache = self.runner.new_cache()
+        self.cache = self.runner.new_cache(max_slots=self.scheduler.limits.kv_pool)
         self.rows: list[_Live] = []
         self.context_length = model_info(model).context_length
         self.tokens_out = 0  # tokens chosen so far (for metrics)
@@ -105,10 +116,7 @@ class Engine:
 
     def validate(self, request: Request) -> None:
         """Raise ValueError naming what cannot work for this request, before any compute."""
-        if request.budget is not None and (self.spec.budget is None or request.budget > self.spec.budget):
-            raise ValueError(
-                f"a request's budget must be at most the engine's ({self.spec.budget}), got {request.budget}"
-            )
+        self.spec.row_budget(request.budget)
         fit = prompt_fit(self.spec, self.context_length, request.prompt_tokens, request.budget)
         if fit.problem is not None:
             raise ValueError(fit.problem)
@@ -144,10 +152,10 @@ class Engine:
 
     def _start(self, request: Request) -> Completion | None:
         live = _Live(request, new_generator(request.sampling), time.perf_counter())
+        # Prefilled straight into the row it will decode in: joining the batch copies nothing.
+        cache = self.cache.row_cache(request.budget, self.slots_for(request), request.prompt_tokens)
         if request.prefix is not None:
-            cache = request.prefix.prefix(request.prefix_length)
-        else:
-            cache = self.runner.new_cache(request.budget)
+            request.prefix.copy_prefix(request.prefix_length, cache)
         logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill)
         live.prefill_seconds = time.perf_counter() - live.started
         if request.on_compaction is not None and cache.row_compactions[0]:
@@ -239,8 +247,7 @@ class Engine:
     def _release(self, rows: list[int]) -> list[Completion]:
         stats = self.cache.stats()
         out = [self._completion(self.rows[r], None, r, stats[r]) for r in rows]
-        gone = set(rows)
-        keep = [r for r in range(len(self.rows)) if r not in gone]
+        keep = fill_gaps(len(self.rows), rows)
         self.cache.take_rows(keep)
         self.rows = [self.rows[r] for r in keep]
         return out

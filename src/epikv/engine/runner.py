@@ -46,8 +46,8 @@ class Runner:
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
 
-    def new_cache(self, budget: int | None = None) -> BudgetedCache:
-        return self.attachment.new_cache(budget)
+    def new_cache(self, budget: int | None = None, max_slots: int | None = None) -> BudgetedCache:
+        return self.attachment.new_cache(budget, max_slots=max_slots)
 
     @torch.no_grad()
     def prefill(

@@ -3,7 +3,9 @@
 The scheduler keeps the books of one engine's memory in *cache slots*: a request reserves the most
 slots it can ever hold (:meth:`epikv.spec.CacheSpec.peak_tokens`: K + tau for an evicting policy,
 prompt + max_new_tokens for the full cache) when it is admitted and returns them when it leaves.
-With a pool of P slots, at most P slots are ever reserved, so an evicting policy admits about
+The pool is physical: the cache's KV arena is a rectangle of rows x slots, as wide as the widest
+running request's reservation, so n running requests whose widest reservation is W hold n x W slots,
+and admission keeps n x W within the pool P. An evicting policy (every row K + tau) admits
 P / (K + tau) requests at once where the full cache admits P / (prompt + max_new_tokens). Requests
 wait in order; the head of the queue is never overtaken (no starvation of long requests). It knows
 nothing of models or tensors.
@@ -49,7 +51,8 @@ class Scheduler(Generic[T]):
 
     @property
     def reserved_slots(self) -> int:
-        return sum(self.reserved.values())
+        """Slots the running requests hold in the arena: rows x the widest reservation."""
+        return len(self.reserved) * max(self.reserved.values(), default=0)
 
     def check(self, slots: int) -> None:
         """Refuse at once what no amount of waiting would admit."""
@@ -67,19 +70,19 @@ class Scheduler(Generic[T]):
         self.waiting.append((item, slots))
 
     def can_admit(self, slots: int) -> bool:
-        return self._fits(self.reserved_slots + slots, len(self.reserved) + 1)
+        return self._fits(max(self.reserved.values(), default=0), slots, len(self.reserved) + 1)
 
-    def _fits(self, slots: int, rows: int) -> bool:
+    def _fits(self, widest: int, slots: int, rows: int) -> bool:
         pool, batch = self.limits.kv_pool, self.limits.max_batch
-        return (batch is None or rows <= batch) and (pool is None or slots <= pool)
+        return (batch is None or rows <= batch) and (pool is None or rows * max(widest, slots) <= pool)
 
     def _would_wait(self, queue: list[int]) -> int:
         """How many of ``queue`` (slots, in order) would still wait once the head ones are admitted."""
-        slots, rows = self.reserved_slots, len(self.reserved)
+        widest, rows = max(self.reserved.values(), default=0), len(self.reserved)
         for index, need in enumerate(queue):
-            if not self._fits(slots + need, rows + 1):
+            if not self._fits(widest, need, rows + 1):
                 return len(queue) - index  # first come, first served: the rest wait behind it
-            slots, rows = slots + need, rows + 1
+            widest, rows = max(widest, need), rows + 1
         return 0
 
     def admit(self, key: int, slots: int) -> None:

@@ -69,9 +69,20 @@ class Attachment:
         self._hidden: dict[int, torch.Tensor] = {}
         self._step: tuple[BudgetedCache, torch.Tensor, torch.Tensor, bool] | None = None
 
-    def new_cache(self, budget: int | None = None) -> BudgetedCache:
-        """An empty cache of this spec fed by these hooks (``budget`` narrows the spec's K)."""
-        cache = BudgetedCache(self.spec, self.info, budget)
+    def new_cache(
+        self, budget: int | None = None, *, max_slots: int | None = None, dtype: torch.dtype | None = None
+    ) -> BudgetedCache:
+        """An empty cache of this spec fed by these hooks (``budget`` narrows the spec's K; ``max_slots``
+        caps its arena, a KV pool; ``dtype`` is the KV dtype, the model's unless set)."""
+        weight = next(self.model.parameters())
+        cache = BudgetedCache(
+            self.spec,
+            self.info,
+            budget,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+            max_slots=max_slots,
+        )
         cache.project_queries = self.project
         cache.owner = self
         return cache

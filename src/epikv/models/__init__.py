@@ -23,12 +23,21 @@ from epikv.models.embedded import (
     model_cache_dir,
 )
 from epikv.models.identity import IDENTITY_ATTRIBUTE, model_identity, set_identity
-from epikv.models.loading import ModelLoadError, load_model
+from epikv.models.loading import (
+    DTYPE_CHOICES,
+    DTYPE_HELP,
+    ModelLoadError,
+    bf16_matrix_units,
+    load_model,
+    resolve_dtype,
+)
 from epikv.models.tiny import tiny_config, tiny_model
 from epikv.models.tokenizer import tokenizer_problem
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DTYPE_CHOICES",
+    "DTYPE_HELP",
     "EMBEDDED_ALIASES",
     "GGUF_DISTRIBUTION",
     "GGUF_FILENAME",
@@ -39,12 +48,14 @@ __all__ = [
     "GgufReader",
     "ModelLoadError",
     "TransformersGgufReader",
+    "bf16_matrix_units",
     "embedded_cache_folder",
     "embedded_gguf_path",
     "is_embedded_name",
     "load_model",
     "model_cache_dir",
     "model_identity",
+    "resolve_dtype",
     "set_identity",
     "tiny_config",
     "tiny_model",

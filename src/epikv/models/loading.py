@@ -43,6 +43,48 @@ if TYPE_CHECKING:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = (
+    "weights and KV dtype: auto (bfloat16 where the device has bf16 matrix units — AMX-BF16 or "
+    "AVX512-BF16 CPUs, bf16-capable GPUs — else float32), float32, bfloat16 or float16"
+)
+
+
+def bf16_matrix_units(device: str | torch.device = "cpu") -> str | None:
+    """What makes bf16 fast on ``device`` (e.g. ``"amx_bf16"``), or None where nothing does."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "cuda bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else None
+    if kind != "cpu":
+        return None
+    try:
+        flags = next(
+            (
+                line.split(":", 1)[1].split()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("flags")
+            ),
+            [],
+        )
+    except OSError:
+        return None
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
+
+
+def resolve_dtype(name: str | None, device: str | torch.device = "cpu") -> tuple[torch.dtype, str]:
+    """The dtype ``--dtype NAME`` means on ``device``, and one line saying why (for logs and records).
+    ``auto`` (or None) is bfloat16 where the device has bf16 matrix units, else float32."""
+    text = "auto" if name is None else str(name)
+    if text not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {text!r}")
+    if text != "auto":
+        return getattr(torch, text), f"dtype {text} (as asked)"
+    units = bf16_matrix_units(device)
+    if units is not None:
+        return torch.bfloat16, f"dtype bfloat16 (auto: {torch.device(device).type} has {units})"
+    return torch.float32, f"dtype float32 (auto: no bf16 matrix units on {torch.device(device).type})"
+
+
 class ModelLoadError(OSError):
     """A model could not be found or loaded; the message names the value that was asked for."""
 

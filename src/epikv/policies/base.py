@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 GRANULARITIES = ("global", "head", "layer", "layer_head")
+FIRST_COMPACTIONS = ("after_prefill", "after_interval")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ class StepSignals:
     tokens over the cache after the update; attention_colsum: layer -> (B, Hq, L) the rows of all new
     tokens summed (only for policies that declare attention layers); buffers: the cache's stored
     per-token values before this step (name -> (G, B, H, L_old)); slots_valid: (B, L) the cache's
-    real slots after this step's update (False at holes: left padding, rows of other lengths).
+    real slots after this step's update (False at holes: left padding, rows of other lengths);
+    write_slots: (B, q) the slot each new token was written to (a row's tokens fill its slots from
+    the front, so a shorter row's new token sits inside L_old, not at the end).
     """
 
     hidden: dict[int, torch.Tensor]
@@ -90,6 +93,7 @@ class StepSignals:
     attention_colsum: dict[int, torch.Tensor] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     slots_valid: torch.Tensor | None = None
+    write_slots: torch.Tensor | None = None
 
 
 class CacheView(Protocol):
@@ -119,6 +123,9 @@ class Policy(Generic[S]):
     interval: compaction interval tau in decode steps (1 = every step).
     recent: protected recent window; None = the method's default (see :meth:`recent_window`).
     protect_prompt: keep every prompt token; n_sink: keep the first n_sink positions.
+    first_compaction: when a row's tau counter starts. ``after_prefill``: it starts full, so a row
+    over K compacts right after its prefill; ``after_interval``: it starts at 0 after the prefill,
+    so the first compaction waits tau decode steps (the EpiKV authors' harness).
     """
 
     name: ClassVar[str] = ""
@@ -136,8 +143,14 @@ class Policy(Generic[S]):
     recent: int | None = None
     protect_prompt: bool = True
     n_sink: int = 0
+    first_compaction: str = "after_prefill"
 
     def __post_init__(self) -> None:
+        if self.first_compaction not in FIRST_COMPACTIONS:
+            raise ValueError(
+                f"{self.name}: first_compaction must be one of {FIRST_COMPACTIONS}, "
+                f"got {self.first_compaction!r}"
+            )
         if self.interval < 1:
             raise ValueError(f"{self.name}: interval must be >= 1, got {self.interval}")
         if self.recent is not None and self.recent < 0:

@@ -47,6 +47,7 @@ class EpiKVSegQ(EpiKVSeg):
     requires = ("hidden_states", "recent_queries")
 
     interval: int = 128
+    first_compaction: str = "after_interval"  # the authors' harness: tau counts from the prefill
     fill: bool = True
     query_window: int = 8
     mode: str = "replace"

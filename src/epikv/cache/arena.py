@@ -1,0 +1,190 @@
+"""The KV arena: every tensor a budgeted cache keeps per slot, preallocated once and written in place.
+
+Storage is a rectangle of ``rows`` x ``slots`` per tensor: keys and values per layer (rows, H, slots,
+D), true positions for every layer (layers, rows, Hp, slots), which slots are real (rows, slots) and
+the policy's per-token buffers (G, rows, Hb, slots). A row's slots are *left-aligned*: its tokens
+fill slots 0..fill-1 in positional order and a decode step writes the next token at slot ``fill`` of
+its own row, so nothing moves when tokens arrive; a compaction moves the kept slots to the front of
+their row in place. The rectangle only grows (by a copy, when a row or a slot more is needed than it
+holds), and the owner can cap it (a KV pool), so the bytes allocated are known up front.
+
+A *row view* (:meth:`Arena.row_view`) is an arena over one row of another: a request is prefilled
+straight into the row it will decode in, so admitting it copies nothing.
+
+It knows nothing of policies, budgets or models: only shapes, dtypes, slots and the gathers that
+move them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epikv.selection import gather_slots, gather_tokens
+
+
+@dataclass(frozen=True)
+class ArenaShape:
+    """What one arena holds per slot: layers, KV heads and head dim; ``position_heads`` is 1 unless
+    the policy keeps a different set of tokens per head (then positions are kept per head), and
+    ``buffer_layers`` / ``buffer_heads`` the widest (G, H) layout of the policy's per-token buffers."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    position_heads: int = 1
+    buffer_layers: int = 1
+    buffer_heads: int = 1
+
+
+class Arena:
+    """Preallocated per-slot storage for ``rows`` x ``slots`` (see the module docstring)."""
+
+    def __init__(self, shape: ArenaShape, max_slots: int | None = None) -> None:
+        self.shape = shape
+        self.max_slots = max_slots  # rows x slots never exceeds this (None = no cap)
+        self.rows = self.slots = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions = torch.zeros(0, dtype=torch.int32)
+        self.valid = torch.zeros(0, dtype=torch.bool)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._parent: Arena | None = None
+        self._row = 0
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+
+    # -- allocation --------------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values allocated (every layer)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def init(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def ensure(self, rows: int, slots: int, keep_rows: int, keep_slots: int) -> None:
+        """Make room for ``rows`` x ``slots``, keeping the first ``keep_rows`` rows' first ``keep_slots``
+        slots. Growing copies; an arena that already holds the room is left as it is."""
+        if rows <= self.rows and slots <= self.slots:
+            return
+        if self._parent is not None:
+            raise RuntimeError(f"a row view holds {self.slots} slots and cannot grow to {slots}")
+        if self.max_slots is not None and rows * slots > self.max_slots:
+            raise MemoryError(
+                f"the KV arena would need {rows} rows x {slots} slots = {rows * slots}, "
+                f"over its cap of {self.max_slots} slots"
+            )
+        # Rows double (admissions then copy the arena O(log n) times); slots are what the caller asks.
+        new_rows = self.rows if rows <= self.rows else max(rows, 2 * self.rows)
+        new_slots = max(slots, self.slots)
+        if self.max_slots is not None and new_rows * new_slots > self.max_slots:
+            new_slots = slots  # drop room no live row needs rather than pass the cap
+            new_rows = max(rows, min(new_rows, self.max_slots // new_slots))
+        s = self.shape
+        old = (self.keys, self.values, self.positions, self.valid, self.buffers)
+        kv = (new_rows, s.kv_heads, new_slots, s.head_dim)
+        self.keys = [torch.zeros(kv, dtype=self.dtype, device=self.device) for _ in range(s.layers)]
+        self.values = [torch.zeros(kv, dtype=self.dtype, device=self.device) for _ in range(s.layers)]
+        self.positions = torch.full(
+            (s.layers, new_rows, s.position_heads, new_slots), -1, dtype=torch.int32, device=self.device
+        )
+        self.valid = torch.zeros(new_rows, new_slots, dtype=torch.bool, device=self.device)
+        self.buffers = {
+            name: buf.new_zeros(buf.shape[0], new_rows, buf.shape[2], new_slots)
+            for name, buf in old[4].items()
+        }
+        self.rows, self.slots = new_rows, new_slots
+        r, n = keep_rows, keep_slots
+        if r and n:
+            for new, prev in zip((*self.keys, *self.values), (*old[0], *old[1]), strict=True):
+                new[:r, :, :n] = prev[:r, :, :n]
+            self.positions[:, :r, :, :n] = old[2][:, :r, :, :n]
+            self.valid[:r, :n] = old[3][:r, :n]
+            for name, buf in old[4].items():
+                self.buffers[name][:, :r, :, :n] = buf[:, :r, :, :n]
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The per-token buffer ``name``, made (zeros) on first use at the widest (G, H) layout."""
+        buf = self.buffers.get(name)
+        if buf is not None:
+            return buf
+        if self._parent is not None:
+            self.buffers[name] = self._parent.buffer(name, like)[:, self._row : self._row + 1]
+            return self.buffers[name]
+        s = self.shape
+        g, h = max(like.shape[0], s.buffer_layers), max(like.shape[2], s.buffer_heads)
+        self.buffers[name] = torch.zeros(g, self.rows, h, self.slots, dtype=like.dtype, device=self.device)
+        return self.buffers[name]
+
+    def row_view(self, row: int) -> Arena:
+        """An arena over row ``row`` of this one (same storage): writes to it land in that row."""
+        view = Arena(self.shape)
+        view._parent, view._row = self, row
+        view.dtype, view.device = self.dtype, self.device
+        view.rows, view.slots = 1, self.slots
+        view.keys = [k[row : row + 1] for k in self.keys]
+        view.values = [v[row : row + 1] for v in self.values]
+        view.positions = self.positions[:, row : row + 1]
+        view.valid = self.valid[row : row + 1]
+        view.buffers = {name: buf[:, row : row + 1] for name, buf in self.buffers.items()}
+        return view
+
+    def is_view_of(self, other: Arena, row: int) -> bool:
+        return self._parent is other and self._row == row
+
+    # -- moving slots within rows ------------------------------------------------------------------
+    def clear_rows(self, rows: torch.Tensor | slice, start: int | torch.Tensor, end: int) -> None:
+        """Mark slots start..end-1 of ``rows`` as holes (``start`` per row, (b,), or one for all)."""
+        if isinstance(start, int):
+            self.valid[rows, start:end] = False
+            self.positions[:, rows, :, start:end] = -1
+            for buf in self.buffers.values():
+                buf[:, rows, :, start:end] = 0
+            return
+        slots = torch.arange(end, device=self.valid.device)
+        hole = slots[None, :] >= start[:, None]  # (b, end)
+        self.valid[rows, :end] &= ~hole
+        self.positions[:, rows, :, :end] = self.positions[:, rows, :, :end].masked_fill(
+            hole[None, :, None], -1
+        )
+        for buf in self.buffers.values():
+            buf[:, rows, :, :end] = buf[:, rows, :, :end].masked_fill(hole[None, :, None], 0)
+
+    def copy_rows(
+        self, dst: torch.Tensor, src: torch.Tensor, slots: int, source: Arena | None = None
+    ) -> None:
+        """Rows ``src`` of ``source`` (default: this arena) written to rows ``dst``, first ``slots`` slots."""
+        source = source or self
+        for mine, theirs in zip((*self.keys, *self.values), (*source.keys, *source.values), strict=True):
+            mine[dst, :, :slots] = theirs[src, :, :slots]
+        self.positions[:, dst, :, :slots] = source.positions[:, src, :, :slots]
+        self.valid[dst, :slots] = source.valid[src, :slots]
+        for name, buf in source.buffers.items():
+            self.buffer(name, buf)[:, dst, :, :slots] = buf[:, src, :, :slots]
+
+    def keep(
+        self,
+        rows: torch.Tensor | slice,
+        index: torch.Tensor,
+        valid: torch.Tensor,
+        kept: torch.Tensor,
+        width: int,
+    ) -> None:
+        """A compaction: rows ``rows`` keep slots ``index`` (G, b, H, k) of their first ``width``, written
+        at the front of each row in place (``valid`` (b, k) marks the kept ones, ``kept`` (b,) counts
+        them); every slot after a row's kept ones becomes a hole."""
+        k, grouped = index.shape[-1], index.shape[0] > 1
+        for layer in range(self.shape.layers):
+            idx = index[layer if grouped else 0]
+            for store in (self.keys[layer], self.values[layer]):
+                store[rows, :, :k] = gather_slots(store[rows, :, :width], idx)
+        self.positions[:, rows, :, :k] = gather_tokens(self.positions[:, rows, :, :width], index)
+        for buf in self.buffers.values():
+            buf[:, rows, :, :k] = gather_tokens(buf[:, rows, :, :width], index)
+        self.valid[rows, :k] = valid
+        self.clear_rows(rows, kept, width)

@@ -1,0 +1,111 @@
+"""A budgeted cache's per-row books: one row-state object that moves with its row.
+
+Everything the cache counts per row lives here, host-side where a decision reads it (so the decode
+step never waits on the device to decide anything): slots used (``fill``, padding included), real
+tokens held, decode steps since the last compaction, the row's budget and reserved slots, and the
+counters users read. Rows are taken and joined with the row protocol of
+:mod:`epikv.policies.rows`, as policy state is, so no list is re-listed by hand when rows move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epikv.cache.view import SequenceStats
+from epikv.policies.rows import RowState
+
+
+@dataclass
+class RowBooks(RowState):
+    """Per-row counters; every field holds one entry per row.
+
+    prompt_len, seen: (B,) real prompt tokens and real tokens seen; fill: slots used (a row's tokens
+    sit in slots 0..fill-1); held: real tokens cached; since: decode steps since the row's last
+    compaction; budgets: the row's K (None = never evicts); reserved: the most slots the row may
+    use (None = unknown: the arena grows); peak, evicted, compactions: what users read; held_sum and
+    passes: cached tokens summed over decode passes, and the passes (their ratio is the mean cache).
+    """
+
+    prompt_len: torch.Tensor
+    seen: torch.Tensor
+    fill: list[int]
+    held: list[int]
+    since: list[int]
+    budgets: list[int | None]
+    reserved: list[int | None]
+    peak: list[int]
+    evicted: list[int]
+    compactions: list[int]
+    held_sum: list[int]
+    passes: list[int]
+
+    @classmethod
+    def empty(cls, device: torch.device | None = None) -> RowBooks:
+        zero = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(zero, zero.clone(), [], [], [], [], [], [], [], [], [], [])
+
+    @classmethod
+    def start(
+        cls,
+        real: torch.Tensor,
+        slots: int,
+        since: int,
+        budget: int | None,
+        reserved: int | None,
+    ) -> RowBooks:
+        """Books of a first prefill: ``real`` (B,) real prompt tokens, ``slots`` used by every row."""
+        prompts = real.tolist()  # one host sync per prefill
+        n = len(prompts)
+        return cls(
+            prompt_len=real.clone(),
+            seen=torch.zeros_like(real),
+            fill=[slots] * n,
+            held=list(prompts),
+            since=[since] * n,
+            budgets=[budget] * n,
+            reserved=[reserved] * n,
+            peak=list(prompts),
+            evicted=[0] * n,
+            compactions=[0] * n,
+            held_sum=[0] * n,
+            passes=[0] * n,
+        )
+
+    def __len__(self) -> int:
+        return len(self.fill)
+
+    def grow(self, added: list[int], q: int, decode: bool) -> None:
+        """A pass wrote ``q`` slots per row, ``added`` of them real; a decode pass is counted."""
+        self.fill = [f + q for f in self.fill]
+        self.held = [h + a for h, a in zip(self.held, added, strict=True)]
+        self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
+        if decode:
+            self.held_sum = [s + h for s, h in zip(self.held_sum, self.held, strict=True)]
+            self.passes = [n + 1 for n in self.passes]
+
+    def due(self, interval: int) -> list[int]:
+        """Rows over their budget whose interval has passed since their last compaction."""
+        rows = zip(self.held, self.since, self.budgets, strict=True)
+        return [r for r, (h, s, k) in enumerate(rows) if k is not None and h > k and s >= interval]
+
+    def compacted(self, rows: list[int], kept: list[int]) -> None:
+        for r, k in zip(rows, kept, strict=True):
+            self.evicted[r] += self.held[r] - k
+            self.held[r] = self.fill[r] = k
+            self.since[r] = 0
+            self.compactions[r] += 1
+
+    def stats(self) -> list[SequenceStats]:
+        mean = [s / n if n else None for s, n in zip(self.held_sum, self.passes, strict=True)]
+        rows = zip(
+            self.prompt_len.tolist(),
+            self.seen.tolist(),
+            self.peak,
+            self.held,
+            self.evicted,
+            mean,
+            strict=True,
+        )
+        return [SequenceStats(*row) for row in rows]
