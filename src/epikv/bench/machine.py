@@ -68,10 +68,15 @@ def _proc_bytes(path: str, key: str) -> int | None:
     return None
 
 
+def _status_or_max_rss(key: str) -> int:
+    """This process's ``key`` from /proc/self/status, else the peak resident set (ru_maxrss)."""
+    value = _proc_bytes("/proc/self/status", key)
+    return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def current_rss() -> int:
     """Resident set size now, in bytes (VmRSS; ru_maxrss where /proc is missing)."""
-    value = _proc_bytes("/proc/self/status", "VmRSS")
-    return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_or_max_rss("VmRSS")
 
 
 def reset_peak_rss() -> bool:
@@ -85,8 +90,7 @@ def reset_peak_rss() -> bool:
 
 def peak_rss() -> int:
     """Peak resident set since the last reset (VmHWM), else since the process started (ru_maxrss)."""
-    value = _proc_bytes("/proc/self/status", "VmHWM")
-    return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_or_max_rss("VmHWM")
 
 
 def virtual_size() -> int | None:
