@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
-from epikv.bench import io
+from epikv.bench import documents, machine, model_loading
 from epikv.bench.memory import MemoryConfig, plot_memory, run_memory
 from epikv.bench.speed import SpeedConfig, plot_speed, run_speed
 
@@ -62,7 +62,7 @@ CONFIGS = {
         tie_word_embeddings=False,
     ),
 }
-TINY = {"tiny-llama": dict(io.RANDOM_PRESETS["tiny-llama"])}
+TINY = {"tiny-llama": dict(model_loading.RANDOM_PRESETS["tiny-llama"])}
 FULL_SIZES = dict(budgets="1024,2048,4096", extra=2048, min_length=1024, max_length=131072, step_ms=30.0)
 TINY_SIZES = dict(budgets="128", extra=32, min_length=64, max_length=256, step_ms=5.0)
 
@@ -91,10 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build(name: str, spec: dict, device: str) -> tuple[torch.nn.Module, io.ByteTokenizer]:
+def build(name: str, spec: dict, device: str) -> tuple[torch.nn.Module, model_loading.ByteTokenizer]:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = io.random_model({**spec, "name": name}, dtype=dtype, device=device)
-    return model, io.ByteTokenizer(model.config.vocab_size)
+    model = model_loading.random_model({**spec, "name": name}, dtype=dtype, device=device)
+    return model, model_loading.ByteTokenizer(model.config.vocab_size)
 
 
 def _threads(args: argparse.Namespace) -> int | None:
@@ -118,13 +118,17 @@ def memory_phase(name: str, spec: dict, args: argparse.Namespace) -> None:
         dtype=str(model.dtype).split(".")[-1],
         threads=_threads(args),
     )
-    plot_memory(io.write_result(run_memory(memory, model=model), Path(args.out) / name))
+    plot_memory(documents.write_result(run_memory(memory, model=model), Path(args.out) / name))
     del model
     _free(args)
 
 
 def speed_run(
-    name: str, model: torch.nn.Module, tokenizer: io.ByteTokenizer, budget: int, args: argparse.Namespace
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: model_loading.ByteTokenizer,
+    budget: int,
+    args: argparse.Namespace,
 ) -> None:
     config = SpeedConfig(
         model=f"random:{name}",
@@ -137,7 +141,9 @@ def speed_run(
         bin_size=128,
         chat=False,
     )
-    plot_speed(io.write_result(run_speed(config, model, tokenizer), Path(args.out) / name / f"K{budget}"))
+    plot_speed(
+        documents.write_result(run_speed(config, model, tokenizer), Path(args.out) / name / f"K{budget}")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(entry: dict) -> None:  # rewritten after every run, so a killed command still says what ran
         log.append({**entry, "at_s": round(time.perf_counter() - started, 1)})
-        summary = {"machine": io.machine_info(args.device), "args": vars(args), "runs": log}
+        summary = {"machine": machine.machine_info(args.device), "args": vars(args), "runs": log}
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
 
     for name in names:
         memory_phase(name, configs[name], args)
         record({"model": name, "run": "memory"})
-    built: tuple[str, torch.nn.Module, io.ByteTokenizer] | None = None
+    built: tuple[str, torch.nn.Module, model_loading.ByteTokenizer] | None = None
     for budget in (int(k) for k in args.budgets.split(",")):
         for name in names:  # every model at the smallest K first: the deadline cuts the largest K
             estimate = len(args.policies.split(",")) * (budget + args.extra) * args.step_ms / 1000

@@ -3,7 +3,8 @@
 It owns tokenising prompts (chat template or raw text), turning a :class:`SamplingConfig` into
 engine requests (row i of a call samples with its own generator, seeded from the config's seed and
 the prompt, so a prompt draws the same tokens whatever batch or resume it runs in), and turning
-completions into per-sequence results. The decoding itself is :class:`epikv.engine.Engine`'s.
+completions into per-sequence results, and the :class:`ChatGenerator` that evaluation calls. The
+decoding itself is :class:`epikv.engine.Engine`'s.
 ``model.generate(..., cache=cache)`` works too (see :func:`epikv.attach`).
 """
 
@@ -12,19 +13,27 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from epikv.engine import Engine, PromptFit, Request, SamplingParams, prompt_fit
 from epikv.integration import build_spec, model_info
 
+if TYPE_CHECKING:
+    from epikv.engine import Completion
+    from epikv.spec import CacheSpec
+
 Prompt = str | list[dict[str, str]]
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding settings; temperature 0 means greedy."""
+    """Decoding settings of a :func:`generate` call; temperature 0 means greedy.
+
+    The engine's :class:`~epikv.engine.SamplingParams` is one request's token-picking rule (no length,
+    no EOS, its own seed); this is what a caller asks of a whole call, and :meth:`for_row` gives each
+    row its rule."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -35,7 +44,11 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        SamplingParams(self.temperature, self.top_p, self.seed)  # validates both
+        self.for_row(self.seed)  # validates temperature and top_p
+
+    def for_row(self, seed: int) -> SamplingParams:
+        """The engine's sampling of one row, seeded with ``seed`` (see :func:`row_seed`)."""
+        return SamplingParams(self.temperature, self.top_p, seed)
 
 
 @dataclass
@@ -55,6 +68,22 @@ class SequenceResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def of(cls, completion: Completion, text: str) -> SequenceResult:
+        """The result of an engine completion whose tokens decode to ``text``."""
+        return cls(
+            text=text,
+            token_ids=completion.token_ids,
+            prompt_tokens=completion.prompt_tokens,
+            tokens_generated=len(completion.token_ids),
+            finish_reason=completion.finish_reason,
+            peak_cache_tokens=completion.peak_cache_tokens,
+            final_cache_tokens=completion.final_cache_tokens,
+            evictions=completion.evictions,
+            seconds=completion.seconds,
+            mean_cache_tokens=completion.mean_cache_tokens,
+        )
 
 
 def encode_prompt_ids(tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True) -> list[list[int]]:
@@ -115,9 +144,7 @@ def prompt_requests(
     stops = frozenset() if sampling.ignore_eos else frozenset(stop_ids)
     for ids in prompt_ids:
         occurrence = seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
-        params = SamplingParams(
-            sampling.temperature, sampling.top_p, row_seed(sampling.seed, ids, occurrence)
-        )
+        params = sampling.for_row(row_seed(sampling.seed, ids, occurrence))
         requests.append(Request(list(ids), sampling.max_new_tokens, params, stops))
     return requests
 
@@ -149,23 +176,27 @@ def generate(
             request.on_prefill = lambda done, total, row=row: on_prefill(row, done, total)
     completions = Engine(model, spec).run(requests)
     return [
-        SequenceResult(
-            text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
-            token_ids=c.token_ids,
-            prompt_tokens=c.prompt_tokens,
-            tokens_generated=len(c.token_ids),
-            finish_reason=c.finish_reason,
-            peak_cache_tokens=c.peak_cache_tokens,
-            final_cache_tokens=c.final_cache_tokens,
-            evictions=c.evictions,
-            seconds=c.seconds,
-            mean_cache_tokens=c.mean_cache_tokens,
-        )
-        for c in completions
+        SequenceResult.of(c, tokenizer.decode(c.token_ids, skip_special_tokens=True)) for c in completions
     ]
 
 
-Generator = Callable[[list[list[dict[str, str]]], SamplingConfig], list[SequenceResult]]
+class ChatGenerator:
+    """Generates for chat prompts with one model under one resolved cache spec: what evaluation calls
+    (see ``epikv.eval.generator``). ``fit`` checks prompts by the engine's own rules before any
+    generation; ``resolved_policy`` is the policy as the spec resolved it (bands, defaults)."""
+
+    def __init__(self, model: Any, tokenizer: Any, spec: CacheSpec) -> None:
+        self.model, self.tokenizer, self.spec = model, tokenizer, spec
+        self.resolved_policy: dict[str, Any] = spec.policy.config()
+        self.context_length = model_info(model).context_length
+
+    def __call__(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[SequenceResult]:
+        return generate(self.model, self.tokenizer, prompts, self.spec, sampling=sampling)
+
+    def fit(self, prompts: Sequence[Prompt]) -> list[PromptFit]:
+        """Whether each prompt can run here (the engine's own rules), before any generation."""
+        ids = encode_prompt_ids(self.tokenizer, prompts)
+        return [prompt_fit(self.spec, self.context_length, len(row)) for row in ids]
 
 
 def make_generator(
@@ -174,29 +205,16 @@ def make_generator(
     budget: int | None,
     interval: int | None = None,
     policy_params: dict[str, Any] | None = None,
-) -> Generator:
-    """A callable that generates for chat prompts with the named model, policy and budget bound.
-
-    The model is loaded once per process and shared by every generator made for it."""
+) -> ChatGenerator:
+    """A :class:`ChatGenerator` for the named model, policy and budget. The model is loaded once per
+    process and shared by every generator made for it; the spec is resolved here, once, so a profile
+    written while a run goes on cannot change its bands midway."""
     from epikv.models import load_model
 
     model, tokenizer = _loaded(model_name, load_model)
-    # Resolved once, so a profile written while a run goes on cannot change its bands midway.
-    spec = build_spec(model, policy, budget, interval=interval, params=policy_params)
-
-    context = model_info(model).context_length
-
-    def run(prompts: list[list[dict[str, str]]], sampling: SamplingConfig) -> list[SequenceResult]:
-        return generate(model, tokenizer, prompts, spec, sampling=sampling)
-
-    def fit(prompts: list[list[dict[str, str]]]) -> list[PromptFit]:
-        """Whether each prompt can run here (the engine's own rules), before any generation."""
-        return [prompt_fit(spec, context, len(ids)) for ids in encode_prompt_ids(tokenizer, prompts)]
-
-    run.resolved_policy = spec.policy.config()  # type: ignore[attr-defined]
-    run.spec = spec  # type: ignore[attr-defined]
-    run.fit = fit  # type: ignore[attr-defined]
-    return run
+    return ChatGenerator(
+        model, tokenizer, build_spec(model, policy, budget, interval=interval, params=policy_params)
+    )
 
 
 _MODELS: dict[str | None, tuple[Any, Any]] = {}

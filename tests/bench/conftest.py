@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from epikv.bench import io
+from epikv.bench import model_loading
 
 
 @pytest.fixture(scope="session")
 def tiny_pair():
-    model = io.random_model("tiny-llama")
-    return model, io.ByteTokenizer(model.config.vocab_size)
+    model = model_loading.random_model("tiny-llama")
+    return model, model_loading.ByteTokenizer(model.config.vocab_size)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from epikv.bench import io
+from epikv.bench import documents
 from epikv.bench.cli import KIND_HELP, KINDS
 from epikv.cli import build_parser, main
 
@@ -41,7 +41,7 @@ def test_plot_command_redraws_from_the_json(tmp_path, capsys):
     assert "[epikv] bench capacity: no cache ran" in err and "bench capacity: 100%" in err
     assert main(["bench", "capacity", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
     assert "bench capacity: 100%" not in capsys.readouterr().err
-    assert io.read_result(tmp_path / "capacity.json")["config"]["cache_specs"] == []
+    assert documents.read_result(tmp_path / "capacity.json")["config"]["cache_specs"] == []
     (tmp_path / "capacity.png").unlink()
     assert main(["bench", "plot", str(tmp_path / "capacity.json"), "--png", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 5000
@@ -72,7 +72,7 @@ def test_gpu_script_cpu_path(tmp_path):
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [r["run"] for r in summary["runs"]] == ["memory", "speed K=128"]
-    speed = io.read_result(tmp_path / "tiny-llama" / "K128" / "speed.json", "speed")
+    speed = documents.read_result(tmp_path / "tiny-llama" / "K128" / "speed.json", "speed")
     assert speed["results"]["policies"]["streaming"]["within_bound"] is True
-    memory = io.read_result(tmp_path / "tiny-llama" / "memory.json", "memory")
+    memory = documents.read_result(tmp_path / "tiny-llama" / "memory.json", "memory")
     assert {p["status"] for p in memory["results"]["points"]} == {"ok"}

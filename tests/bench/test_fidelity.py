@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from epikv.bench import fidelity, io
+from epikv.bench import documents, fidelity, prompt_loading
 from epikv.bench.fidelity import FidelityConfig
 from epikv.bench.fidelity_summary import comparison_table, summarize_fidelity
 from epikv.cli import main
@@ -90,7 +90,7 @@ def test_equal_peak_cells_hold_the_same_peak(tiny_pair):
     assert matched[("streaming", "peak")] == 63 and matched[("epikv-flat", "peak")] == 48
     assert matched[("epikv", "peak")] is None  # tau = 128 leaves no budget under a peak of 64
     assert "tau 128" in next(e["why"] for e in plan if e["budget"] is None)
-    ids = [io.encode_prompt_ids(tok, "Ann has 3 apples.")]
+    ids = [prompt_loading.prompt_token_ids(tok, "Ann has 3 apples.")]
     traced = fidelity.full_traces(model, ids, 80)
     for name in ("streaming@63", "epikv-flat:band_a=1:band_b=2:interval=16@48"):
         (got,) = fidelity.teacher_force(model, ids, [traced[0][0]], [traced[0][1]], specs[name])
@@ -99,7 +99,10 @@ def test_equal_peak_cells_hold_the_same_peak(tiny_pair):
 
 def test_teacher_forcing_without_eviction_matches_the_trace(tiny_pair):
     model, tok = tiny_pair
-    ids = [io.encode_prompt_ids(tok, "Ann has 3 apples."), io.encode_prompt_ids(tok, "Bo has 12 pears.")]
+    ids = [
+        prompt_loading.prompt_token_ids(tok, "Ann has 3 apples."),
+        prompt_loading.prompt_token_ids(tok, "Bo has 12 pears."),
+    ]
     traced = fidelity.full_traces(model, ids, 20)
     traces, refs = [t for t, _ in traced], [r for _, r in traced]
     assert refs[0].shape == (20, model.config.vocab_size)
@@ -206,7 +209,7 @@ def test_genre_run_is_resumable(genre_run, tiny_pair, monkeypatch):
 
 def test_plot_and_cli(genre_run, tmp_path, short_prompts, capsys):
     _, document, _ = genre_run
-    path = io.write_result(document, tmp_path)
+    path = documents.write_result(document, tmp_path)
     assert fidelity.plot_fidelity(path).stat().st_size > 5000
     assert (tmp_path / "fidelity-kept.png").stat().st_size > 5000
     capsys.readouterr()
@@ -239,6 +242,6 @@ def test_plot_and_cli(genre_run, tmp_path, short_prompts, capsys):
     )
     assert code == 0
     assert "bench fidelity: 100%" in capsys.readouterr().err  # the full trace and streaming@32
-    data = io.read_result(tmp_path / "cli" / "fidelity.json", "fidelity")
+    data = documents.read_result(tmp_path / "cli" / "fidelity.json", "fidelity")
     assert data["results"]["summary"]["rows"][str(short_prompts)]["streaming@32"]["prompts"] == 1
     assert (tmp_path / "cli" / "fidelity-parts" / "b00").is_dir()

@@ -6,27 +6,27 @@ import json
 
 import pytest
 
-from epikv.bench import io
+from epikv.bench import documents, model_loading, prompt_loading
 
 
 def test_documents_round_trip_and_are_checked(tmp_path):
-    doc = io.make_document("speed", {"a": 1}, {"x": [1, 2]})
-    path = io.write_result(doc, tmp_path)
+    doc = documents.make_document("speed", {"a": 1}, {"x": [1, 2]})
+    path = documents.write_result(doc, tmp_path)
     assert path.name == "speed.json"
-    back = io.read_result(path, "speed")
+    back = documents.read_result(path, "speed")
     assert back["results"] == {"x": [1, 2]}
     assert back["machine"]["versions"]["torch"]
     with pytest.raises(ValueError, match="expected 'memory'"):
-        io.read_result(path, "memory")
+        documents.read_result(path, "memory")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"kind": "speed"}))
     with pytest.raises(ValueError, match="missing"):
-        io.read_result(bad)
+        documents.read_result(bad)
 
 
 def test_reporter_records_each_spec_once_and_draws_bars_only_when_asked(capsys):
     said = []
-    reporter = io.Reporter(announce=said.append, progress=True)
+    reporter = documents.Reporter(announce=said.append, progress=True)
     for record in ({"describe": "policy=a"}, {"describe": "policy=b"}, {"describe": "policy=a"}):
         reporter.uses(record)
     assert reporter.specs == [{"describe": "policy=a"}, {"describe": "policy=b"}]
@@ -34,26 +34,44 @@ def test_reporter_records_each_spec_once_and_draws_bars_only_when_asked(capsys):
     with reporter.bar(3, "speed", unit="tok") as bar:
         bar.update(3)
     assert "bench speed: 100%" in capsys.readouterr().err
-    with io.Reporter().bar(3, "speed") as bar:
+    with documents.Reporter().bar(3, "speed") as bar:
         bar.update(3)
     assert capsys.readouterr().err == ""
 
 
 def test_prompt_sources(tmp_path, short_prompts):
-    assert io.load_prompts("gsm8k", 2)[0].startswith("Janet")
-    assert len(io.load_prompts("math500", 3, offset=10)) == 3
-    assert io.load_prompts(str(short_prompts), 5)[1].startswith("A train")
+    assert prompt_loading.load_prompts("gsm8k", 2)[0].startswith("Janet")
+    assert len(prompt_loading.load_prompts("math500", 3, offset=10)) == 3
+    assert prompt_loading.load_prompts(str(short_prompts), 5)[1].startswith("A train")
     jsonl = tmp_path / "q.jsonl"
     jsonl.write_text(json.dumps({"question": "why?"}) + "\n")
-    assert io.load_prompts(str(jsonl), 1) == ["why?"]
+    assert prompt_loading.load_prompts(str(jsonl), 1) == ["why?"]
     with pytest.raises(FileNotFoundError):
-        io.load_prompts("no-such-task", 1)
+        prompt_loading.load_prompts("no-such-task", 1)
 
 
 def test_random_models_and_byte_tokenizer():
-    model, tok = io.load_bench_model("random:tiny-qwen2")
-    assert model.config.model_type == "qwen2" and io.model_name(model) == "random:tiny-qwen2"
-    ids = io.encode_prompt(tok, "hi")
+    model, tok = model_loading.load_bench_model("random:tiny-qwen2")
+    assert model.config.model_type == "qwen2" and model_loading.model_name(model) == "random:tiny-qwen2"
+    ids = prompt_loading.encode_prompt(tok, "hi")
     assert ids.shape == (1, 2) and int(ids.max()) < model.config.vocab_size
     with pytest.raises(ValueError, match="unknown random model"):
-        io.random_model("huge")
+        model_loading.random_model("huge")
+
+
+def test_the_old_module_name_keeps_every_name_it_had():
+    from epikv.bench import figures, io, machine
+
+    old = {
+        documents: "SCHEMA_VERSION TOP_LEVEL_KEYS Reporter config_dict make_document read_result spec_record "
+        "write_result",
+        figures: "new_figure png_path save_figure",
+        machine: "QUIET_MALLOC current_rss load_average machine_info peak_rss reset_peak_rss set_threads "
+        "synchronizer virtual_size",
+        model_loading: "RANDOM_PRESETS ByteTokenizer load_bench_model model_name page_in random_model",
+        prompt_loading: "encode_prompt load_prompts",
+    }
+    for module, names in old.items():
+        for name in names.split():
+            assert getattr(io, name) is getattr(module, name), name
+    assert io.encode_prompt_ids is prompt_loading.prompt_token_ids  # the old name of the one-text helper

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epikv.bench import io, memory
+from epikv.bench import documents, memory
 from epikv.bench.memory import MemoryConfig
 from epikv.cli import main
 
@@ -78,7 +78,7 @@ def test_cli_finds_the_boundary_in_a_capped_subprocess(tmp_path, capsys):
         ]
     )
     assert code == 0
-    data = io.read_result(tmp_path / "memory.json", "memory")
+    data = documents.read_result(tmp_path / "memory.json", "memory")
     assert [p["status"] for p in data["results"]["points"]] == ["oom", "skipped"]
     err = capsys.readouterr().err
     assert "bench memory: 100%" in err and "2/2" in err  # the failed point and the one it skipped
@@ -97,7 +97,7 @@ def test_plot_reads_only_the_file(tmp_path):
             "peak_total_bytes": n * 2000,
         },
     )
-    path = io.write_result(doc, tmp_path)
+    path = documents.write_result(doc, tmp_path)
     json.loads(path.read_text())
     assert memory.plot_memory(path, tmp_path / "again.png").stat().st_size > 5000
 

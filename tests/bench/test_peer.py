@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from epikv.bench import io, peer
+from epikv.bench import documents, model_loading, peer
 from epikv.bench.peer import PeerConfig
 
 
@@ -57,7 +57,7 @@ def test_our_streaming_schedule():
 
 
 def test_worker_keeps_what_streaming_defines(tmp_path, capsys):
-    model = io.random_model("tiny-llama")
+    model = model_loading.random_model("tiny-llama")
     model.save_pretrained(tmp_path / "m")
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(list(range(2, 12))))
@@ -93,8 +93,8 @@ def test_compare_and_plot(tmp_path):
     comparison = peer.compare(rows)
     assert comparison["pairs"]["streaming/streaming"] == {"tokens_per_s_ratio": 1.5, "peak_ratio": 0.5}
     assert comparison["vs_fastest_press"] == {"streaming": 0.75, "epikv": 0.5}
-    doc = io.make_document("peer", PeerConfig(), {"rows": rows, "comparison": comparison})
-    path = io.write_result(doc, tmp_path)
+    doc = documents.make_document("peer", PeerConfig(), {"rows": rows, "comparison": comparison})
+    path = documents.write_result(doc, tmp_path)
     assert peer.plot_peer(path).stat().st_size > 5000
 
 
@@ -121,7 +121,7 @@ def test_ours_only_run_needs_no_kvpress(tiny_pair, short_prompts, capsys):
     )
     bars = []
 
-    class Recording(io.Reporter):
+    class Recording(documents.Reporter):
         def bar(self, total: int, desc: str, unit: str = "it"):
             bars.append(super().bar(total, desc, unit))
             return bars[-1]

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from epikv.bench import io
+from epikv.bench import documents
 from epikv.bench.serve import ServeBenchConfig, plot_serve, run_serve
 from epikv.bench.serve_clients import summarize_level
 
@@ -36,7 +36,7 @@ def test_bench_serve_on_a_tiny_model(serve_model_folder, tmp_path):
     )
     bars = []
 
-    class Recording(io.Reporter):
+    class Recording(documents.Reporter):
         def bar(self, total: int, desc: str, unit: str = "it"):
             bars.append(super().bar(total, desc, unit))
             return bars[-1]
@@ -61,5 +61,5 @@ def test_bench_serve_on_a_tiny_model(serve_model_folder, tmp_path):
     assert "capacity_vs_full_tokens_per_s>=3" in results["targets"]
     described = [s["describe"] for s in document["config"]["cache_specs"]]  # from the servers' logs
     assert described == ["policy=full budget=none interval=1", "policy=streaming budget=128 interval=1"]
-    path = io.write_result(document, tmp_path)
+    path = documents.write_result(document, tmp_path)
     assert plot_serve(path).stat().st_size > 5000

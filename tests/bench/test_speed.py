@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epikv.bench import io, speed
+from epikv.bench import documents, prompt_loading, speed
 from epikv.bench.speed import SpeedConfig
 from epikv.cli import main
 
@@ -26,7 +26,7 @@ def speed_doc(tiny_pair, short_prompts):
 
 def test_probe_times_every_compaction(tiny_pair):
     model, tok = tiny_pair
-    ids = io.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
+    ids = prompt_loading.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
     trace = speed.timed_decode(model, ids, "streaming", 48, 40, interval=4)
     compacting_steps = sum(1 for c in trace.compact_s if c > 0)
     assert trace.compactions == compacting_steps > 0
@@ -59,7 +59,7 @@ def test_document_reports_each_policy(speed_doc):
 
 
 def test_plot_and_cli(speed_doc, tmp_path, short_prompts, capsys):
-    path = io.write_result(speed_doc, tmp_path)
+    path = documents.write_result(speed_doc, tmp_path)
     assert speed.plot_speed(path).stat().st_size > 5000
     out = tmp_path / "cli"
     code = main(
@@ -84,7 +84,7 @@ def test_plot_and_cli(speed_doc, tmp_path, short_prompts, capsys):
         ]
     )
     assert code == 0
-    data = io.read_result(out / "speed.json", "speed")
+    data = documents.read_result(out / "speed.json", "speed")
     assert data["config"]["repeats"] == 1 and data["config"]["budget"] == 48  # quick preset + overrides
     err = capsys.readouterr().err
     assert "[epikv] policy=streaming budget=48 interval=1" in err.splitlines()
@@ -94,7 +94,7 @@ def test_plot_and_cli(speed_doc, tmp_path, short_prompts, capsys):
 
 def test_taking_turns_changes_nothing_but_the_timing(tiny_pair):
     model, tok = tiny_pair
-    ids = io.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
+    ids = prompt_loading.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
     config = SpeedConfig(budget=48, tokens=30, chunk=7, interval=3)
     steps = []
 

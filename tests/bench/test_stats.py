@@ -102,3 +102,19 @@ def test_kept_position_histogram():
         stats.kept_position_histogram([[5]], 5)
     with pytest.raises(ValueError, match="2 compactions but 1 lengths"):
         stats.kept_position_histogram([[0], [1]], [3])
+
+
+def _hand_bootstrap(values, resamples, level, seed):
+    """The bootstrap as epikv wrote it before it used scipy: the reference the library must match."""
+    array = np.asarray(values, dtype=np.float64)
+    draws = np.random.default_rng(seed).integers(0, array.size, size=(resamples, array.size))
+    low, high = np.quantile(array[draws].mean(axis=1), [(1 - level) / 2, (1 + level) / 2])
+    return float(array.mean()), float(low), float(high)
+
+
+@pytest.mark.parametrize(("size", "resamples", "level", "seed"), [(2, 500, 0.95, 0), (17, 10_000, 0.95, 3),
+                                                                   (40, 800, 0.8, 7)])  # fmt: skip
+def test_bootstrap_gives_the_numbers_of_the_hand_written_one(size, resamples, level, seed):
+    values = np.random.default_rng(size).normal(size=size)
+    got = stats.bootstrap_mean(values, resamples=resamples, level=level, seed=seed)
+    assert got == pytest.approx(_hand_bootstrap(values, resamples, level, seed), abs=1e-12)

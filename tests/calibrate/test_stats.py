@@ -94,3 +94,12 @@ def test_bootstrap_equals_pooling_the_drawn_problems():
     low, high = np.nanpercentile(np.stack(draws), [10, 90], axis=0)
     np.testing.assert_allclose(got.low, low, atol=1e-10)
     np.testing.assert_allclose(got.high, high, atol=1e-10)
+
+
+def test_spearman_of_a_small_tied_sample_by_hand():
+    # ranks x = [1, 2.5, 2.5, 4], y = [1, 3, 2, 4]; deviations from 2.5 give sxy = 4.5, sxx = 4.5,
+    # syy = 5, so rho = 4.5 / sqrt(22.5); the rows path and scipy's spearmanr agree.
+    x, y = np.array([1.0, 2.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0, 4.0])
+    assert spearman(x, y) == pytest.approx(4.5 / np.sqrt(22.5), abs=1e-12)
+    assert spearman_rows(x[None], y)[0] == pytest.approx(4.5 / np.sqrt(22.5), abs=1e-12)
+    assert np.isnan(spearman(np.ones(4), y))

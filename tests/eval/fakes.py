@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epikv.engine import PromptFit, prompt_fit
-from epikv.eval.protocol import Messages
+from epikv.eval.prompts import Messages
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec
 
@@ -58,6 +58,7 @@ class FakeGenerator:
     fail_after_calls: int | None = None
     spec: CacheSpec | None = None
     context_length: int | None = None
+    resolved_policy: dict[str, Any] | None = None
 
     def fit(self, prompts: list[Messages]) -> list[PromptFit]:
         if self.spec is None:

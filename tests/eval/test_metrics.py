@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from scipy.stats import binomtest
 
 from epikv.eval.metrics import METRICS, summarize, wilson_interval
 from epikv.eval.records import ExampleResult
@@ -36,6 +37,15 @@ def test_wilson_interval_against_hand_values(successes: int, n: int, low: float,
     got_low, got_high = wilson_interval(successes, n)
     assert got_low == pytest.approx(low, abs=1e-5)
     assert got_high == pytest.approx(high, abs=1e-5)
+
+
+def test_wilson_interval_equals_scipys_wilson() -> None:
+    # The closed form stays here (scipy's binomtest computes a p-value first: 1 ms a call); scipy is
+    # the reference it must match.
+    for n in (1, 2, 3, 7, 10, 31, 100):
+        for successes in range(n + 1):
+            found = binomtest(successes, n).proportion_ci(0.95, method="wilson")
+            assert wilson_interval(successes, n) == pytest.approx((found.low, found.high), abs=1e-12)
 
 
 def test_wilson_interval_contains_the_observed_rate() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from epikv.cli import main as epikv_main
+from epikv.engine import PromptFit
 from epikv.eval import cli
 from epikv.eval.config import EvalConfig, saved_form
 from epikv.eval.ray_runner import RayOptions, shard_configs
@@ -47,8 +48,13 @@ class ScriptedEngine:
 
 
 class _Generator:
+    spec = resolved_policy = None  # the generator protocol's: nothing resolved, every prompt fits
+
     def __init__(self, engine: ScriptedEngine) -> None:
         self.engine, self.calls = engine, 0
+
+    def fit(self, prompts: list[list[dict[str, str]]]) -> list[PromptFit]:
+        return [PromptFit(0) for _ in prompts]
 
     def __call__(self, prompts: list[list[dict[str, str]]], sampling: Any) -> Sequence[FakeResult]:
         if self.calls == self.engine.die_after and _first_to_die(self.engine.marker):

@@ -52,13 +52,14 @@ def test_run_writes_results_config_and_summary(tmp_path: Path) -> None:
 
 def test_paper_protocol_reaches_the_generator(tmp_path: Path) -> None:
     seen: list[list[dict[str, str]]] = []
-    generator = FakeGenerator(lambda problem: boxed("0"))
 
-    def spy(prompts: list[list[dict[str, str]]], sampling: object) -> list[FakeResult]:
-        seen.extend(prompts)
-        return list(generator(prompts, sampling))
+    class Spy(FakeGenerator):
+        def __call__(self, prompts: list[list[dict[str, str]]], sampling: object) -> list[FakeResult]:
+            seen.extend(prompts)
+            return list(super().__call__(prompts, sampling))
 
-    run_eval(config(tmp_path, limit=1, dataset="aime2024"), lambda policy, budget: spy)  # type: ignore[arg-type]
+    generator = Spy(lambda problem: boxed("0"))
+    run_eval(config(tmp_path, limit=1, dataset="aime2024"), lambda policy, budget: generator)
     assert seen[0][0] == {
         "role": "system",
         "content": "Please reason step by step, and put your final answer within \\boxed{}.",

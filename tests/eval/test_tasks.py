@@ -5,8 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from epikv.eval.hub import examples_from_hub_rows, hub_answer, load_hub_task, parse_hub_spec
-from epikv.eval.tasks import Example, Task, load_task
+from epikv.eval.tasks import (
+    Example,
+    Task,
+    examples_from_hub_rows,
+    hub_answer,
+    load_hub_task,
+    load_task,
+    parse_hub_spec,
+)
 
 
 @pytest.mark.parametrize(

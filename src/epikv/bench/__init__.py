@@ -10,11 +10,13 @@ function that accepts an in-process model where it can and returns a result docu
 * :mod:`~epikv.bench.capacity`: concurrent requests per accelerator, with and without K (Fig. 6);
 * :mod:`~epikv.bench.peer`: against NVIDIA kvpress's decoding-time compression.
 
-:mod:`~epikv.bench.io` holds what they share (documents, machine facts, memory probes, figures);
+:mod:`~epikv.bench.documents` (result files), :mod:`~epikv.bench.machine` (machine facts, memory
+probes), :mod:`~epikv.bench.model_loading`, :mod:`~epikv.bench.prompt_loading` and
+:mod:`~epikv.bench.figures` hold what they share (``epikv.bench.io`` re-exports them under the old name);
 :mod:`~epikv.bench.genres` the text genres of the fidelity study (prompts and forced continuations)
 and :mod:`~epikv.bench.stats` its statistics (bootstrap intervals, equal-peak budgets, histograms).
 """
 
-from epikv.bench.io import read_result, write_result
+from epikv.bench.documents import read_result, write_result
 
 __all__ = ["read_result", "write_result"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents, figures, model_loading
 
 GIB = 1 << 30
 
@@ -144,7 +144,7 @@ def load_config(name: str) -> Any:
     from epikv.models import is_embedded_name
 
     if is_embedded_name(name):
-        model, _ = io.load_bench_model(None)
+        model, _ = model_loading.load_bench_model(None)
         return model.config
     from transformers import AutoConfig
 
@@ -180,22 +180,22 @@ def capacity_table(shape: KVShape, config: CapacityConfig) -> dict[str, Any]:
     }
 
 
-def run_capacity(config: CapacityConfig, reporter: io.Reporter | None = None) -> dict[str, Any]:
-    """The capacity document for ``config`` (see :mod:`epikv.bench.io` for the envelope). Arithmetic
+def run_capacity(config: CapacityConfig, reporter: documents.Reporter | None = None) -> dict[str, Any]:
+    """The capacity document for ``config`` (see :mod:`epikv.bench.documents` for the envelope). Arithmetic
     only: no cache runs, so it records no cache specs."""
-    reporter = reporter or io.Reporter()
+    reporter = reporter or documents.Reporter()
     with reporter.bar(1, "capacity", unit="table") as bar:
         shape = shape_from_config(load_config(config.model))
         table = capacity_table(shape, config)
         bar.update()
-    return io.make_document("capacity", config, table, specs=reporter.specs)
+    return documents.make_document("capacity", config, table, specs=reporter.specs)
 
 
 def plot_capacity(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Requests vs context (log-log), one line per budget, from the JSON alone."""
-    data = io.read_result(json_path, "capacity")
+    data = documents.read_result(json_path, "capacity")
     results, cfg = data["results"], data["config"]
-    figure, (axes,) = io.new_figure()
+    figure, (axes,) = figures.new_figure()
     contexts = [row["context"] for row in results["rows"]]
     series = [key for key in results["rows"][0] if key != "context"]
     for index, key in enumerate(series):
@@ -217,4 +217,4 @@ def plot_capacity(json_path: str | Path, png: str | Path | None = None) -> Path:
         fontsize=9,
     )
     axes.legend()
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents
 from epikv.outputs import check_output_dir, check_output_file
 
 KINDS = ("memory", "speed", "step", "fidelity", "capacity", "peer", "serve")
@@ -161,10 +161,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = build_config(args.kind, args)
     check_output_dir(args.out)  # before minutes of measuring (issue #12)
     _, _, run, plot = _kind(args.kind)
-    document = run(config, reporter=io.Reporter(announce=_announce, progress=not args.no_progress))
+    document = run(config, reporter=documents.Reporter(announce=_announce, progress=not args.no_progress))
     if not document["config"].get("cache_specs"):
         _announce(f"bench {args.kind}: no cache ran, so no policy read bands from a profile")
-    path = io.write_result(document, args.out)
+    path = documents.write_result(document, args.out)
     print(path)
     print(plot(path))
     return 0
@@ -182,7 +182,7 @@ def cmd_table(args: argparse.Namespace) -> int:
 
     if args.metric not in METRICS:
         raise ValueError(f"--metric {args.metric!r} is not one of {', '.join(METRICS)}")
-    summary = io.read_result(args.result, "fidelity")["results"]["summary"]
+    summary = documents.read_result(args.result, "fidelity")["results"]["summary"]
     unknown = sorted(set(args.genres or ()) - set(summary["genres"]))
     if unknown:
         raise ValueError(f"--genres {','.join(unknown)}: the result has {', '.join(summary['genres'])}")
@@ -193,7 +193,7 @@ def cmd_table(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     if args.png is not None:
         check_output_file(args.png, "--png")
-    kind = io.read_result(args.result)["kind"]
+    kind = documents.read_result(args.result)["kind"]
     if kind not in KINDS:
         raise ValueError(f"{args.result}: unknown benchmark kind {kind!r}")
     print(_kind(kind)[3](args.result, args.png))

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import io, stats
+from epikv.bench import documents, machine, model_loading, prompt_loading, stats
 from epikv.bench.fidelity_runs import (
     _Recorder,
     forced_references,
@@ -219,12 +219,12 @@ def load_items(config: FidelityConfig, tokenizer: Any) -> list[Item]:
     from epikv.bench.genres import load_genre
 
     if not config.genres:
-        texts = io.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)
+        texts = prompt_loading.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)
         return [
             Item(
                 config.prompt_source,
                 str(config.prompt_offset + i),
-                io.encode_prompt_ids(tokenizer, t, config.chat),
+                prompt_loading.prompt_token_ids(tokenizer, t, config.chat),
                 None,
             )
             for i, t in enumerate(texts)
@@ -321,16 +321,16 @@ def run_fidelity(
     config: FidelityConfig,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
-    reporter: io.Reporter | None = None,
+    reporter: documents.Reporter | None = None,
 ) -> dict[str, Any]:
     """Every prompt x cell, ``batch_size`` prompts at a time, finished cells kept in ``parts_dir``;
     returns the document (per-prompt results, the summary with intervals, the plan)."""
     from epikv.generation import eos_ids
 
-    reporter = reporter or io.Reporter()
-    io.set_threads(config.threads)
+    reporter = reporter or documents.Reporter()
+    machine.set_threads(config.threads)
     if model is None:
-        model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
+        model, tokenizer = model_loading.load_bench_model(config.model, config.device, config.dtype)
     specs, plan = plan_cells(model, config)
     stop = set(eos_ids(model, tokenizer)) if config.stop_at_eos else None
     for spec in specs.values():
@@ -338,7 +338,7 @@ def run_fidelity(
     items = load_items(config, tokenizer)
     parts = Parts(config.parts_dir)
     keys = ("trace_tokens", "stop_at_eos", "tail_tokens", "histogram_bins", "histogram_every", "free_run")
-    settings = {k: getattr(config, k) for k in keys} | {"model": io.model_name(model)}
+    settings = {k: getattr(config, k) for k in keys} | {"model": model_loading.model_name(model)}
     prompts: list[dict[str, Any]] = []
     started = time.perf_counter()
     batches = range(0, len(items), config.batch_size)
@@ -361,7 +361,11 @@ def run_fidelity(
                 done[name] = _run_cell(model, batch, traces, refs, spec, config)
                 parts.put(b, name, cell_print(fingerprint, spec), done[name], time.perf_counter() - t0)
                 log.info(
-                    "batch %d cell %s: %.0f s, load %s", b, name, time.perf_counter() - t0, io.load_average()
+                    "batch %d cell %s: %.0f s, load %s",
+                    b,
+                    name,
+                    time.perf_counter() - t0,
+                    machine.load_average(),
                 )
             bar.set_postfix_str(name)
             bar.update()
@@ -371,14 +375,14 @@ def run_fidelity(
         del refs
     bar.close()
     results = {
-        "model": io.model_name(model),
+        "model": model_loading.model_name(model),
         "plan": plan,
         "specs": {name: spec.config() for name, spec in specs.items()},
         "seconds": round(time.perf_counter() - started, 1),
         "prompts": prompts,
     }
     results["summary"] = summarize_fidelity(prompts, plan, config)
-    return io.make_document("fidelity", config, results, config.device, reporter.specs)
+    return documents.make_document("fidelity", config, results, config.device, reporter.specs)
 
 
 def plot_fidelity(json_path: str | Path, png: str | Path | None = None) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents, figures
 
 
 def _cells_of(results: dict[str, Any]) -> dict[str, list[tuple[int, str]]]:
@@ -26,11 +26,11 @@ def _cells_of(results: dict[str, Any]) -> dict[str, list[tuple[int, str]]]:
 def plot_document(
     json_path: str | Path, png: str | Path | None = None, metric: str = "agreement_tail"
 ) -> Path:
-    data = io.read_result(json_path, "fidelity")
+    data = documents.read_result(json_path, "fidelity")
     results = data["results"]
     summary, cells = results["summary"], _cells_of(results)
     genres = summary["genres"]
-    figure, axes = io.new_figure(width=4.0 * len(genres), height=4.2, ncols=len(genres))
+    figure, axes = figures.new_figure(width=4.0 * len(genres), height=4.2, ncols=len(genres))
     for panel, genre in zip(axes, genres, strict=True):
         rows = summary["rows"][genre]
         for index, (label, chosen) in enumerate(cells.items()):
@@ -53,7 +53,7 @@ def plot_document(
     figure.suptitle(
         f"{results['model']}: T={cfg['trace_tokens']}, tail = last {cfg['tail_tokens']} tokens", fontsize=9
     )
-    out = io.save_figure(figure, png or io.png_path(json_path))
+    out = figures.save_figure(figure, png or figures.png_path(json_path))
     plot_kept(data, out.with_name(out.stem + "-kept.png"))
     return out
 
@@ -73,7 +73,7 @@ def plot_kept(data: dict[str, Any], png: Path, genre: str | None = None) -> Path
         return None
     cols = min(5, len(items))
     nrows = (len(items) + cols - 1) // cols
-    figure, axes = io.new_figure(width=2.4 * cols, height=1.9 * nrows + 0.4, ncols=1)
+    figure, axes = figures.new_figure(width=2.4 * cols, height=1.9 * nrows + 0.4, ncols=1)
     axes[0].remove()
     grid = figure.subplots(nrows, cols, squeeze=False, sharey=True)
     for ax in grid.flat[len(items) :]:
@@ -90,4 +90,4 @@ def plot_kept(data: dict[str, Any], png: Path, genre: str | None = None) -> Path
         ax.tick_params(labelsize=6)
     figure.supxlabel("relative position of a kept token (0 = first prompt token, 1 = newest)", fontsize=8)
     figure.suptitle(f"where the kept tokens sit ({genre}, {first['kind']} {first['target']})", fontsize=9)
-    return io.save_figure(figure, png)
+    return figures.save_figure(figure, png)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import io
+from epikv.bench import documents, figures, machine, model_loading
 
 PATHS = ("attention_outputs", "sdpa", "epikv_capture")
 GIB = 1 << 30
@@ -118,20 +118,20 @@ def measure_point(
         torch.cuda.reset_peak_memory_stats()
         base, source = torch.cuda.memory_allocated(), "cuda.max_memory_allocated"
     else:
-        base = io.current_rss()
-        source = "VmHWM" if io.reset_peak_rss() else "ru_maxrss"
+        base = machine.current_rss()
+        source = "VmHWM" if machine.reset_peak_rss() else "ru_maxrss"
     point: dict[str, Any] = {"path": path, "length": length, "status": "ok", "source": source}
     spec: Any = capture_policy
     if path == "epikv_capture":  # the spec the capture runs, with its bands, for the result's config
         from epikv.integration import build_spec
 
         spec = build_spec(model, capture_policy, 1 << 30)
-        point["cache_spec"] = io.spec_record(spec)
+        point["cache_spec"] = documents.spec_record(spec)
     started = time.perf_counter()
     try:
         out = forward_once(model, path, ids, spec)
-        io.synchronizer(device)()
-        peak = torch.cuda.max_memory_allocated() if cuda else io.peak_rss()
+        machine.synchronizer(device)()
+        peak = torch.cuda.max_memory_allocated() if cuda else machine.peak_rss()
         del out
     except Exception as err:
         if not is_oom(err):
@@ -154,7 +154,7 @@ def measure_point(
 def subprocess_runner(config: MemoryConfig) -> PointRunner:
     """Each point in a fresh ``python -m epikv.bench.memory_worker`` under the address-space cap."""
     src = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, **io.QUIET_MALLOC)
+    env = dict(os.environ, **machine.QUIET_MALLOC)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
 
     def run(path: str, length: int) -> dict[str, Any]:
@@ -200,15 +200,15 @@ def run_memory(
     config: MemoryConfig,
     model: torch.nn.Module | None = None,
     runner: PointRunner | None = None,
-    reporter: io.Reporter | None = None,
+    reporter: documents.Reporter | None = None,
 ) -> dict[str, Any]:
     """Measure every (path, length) up to each path's first failure; returns the memory document."""
-    reporter = reporter or io.Reporter()
-    io.set_threads(config.threads)
+    reporter = reporter or documents.Reporter()
+    machine.set_threads(config.threads)
     if runner is None:
         in_process = model is not None or torch.device(config.device).type == "cuda"
         if in_process and model is None:
-            model, _ = io.load_bench_model(config.model, config.device, config.dtype)
+            model, _ = model_loading.load_bench_model(config.model, config.device, config.dtype)
         runner = inprocess_runner(model, config) if in_process else subprocess_runner(config)
     points: list[dict[str, Any]] = []
     with reporter.bar(len(config.paths) * len(config.lengths), "memory", unit="point") as bar:
@@ -226,9 +226,11 @@ def run_memory(
                 points.append(point)
                 failed = point["status"] != "ok"
                 bar.update()
-    name = io.model_name(model) if model is not None else next((p.get("model") for p in points), None)
+    name = (
+        model_loading.model_name(model) if model is not None else next((p.get("model") for p in points), None)
+    )
     results = {"model": name, "points": points, "summary": summarize_memory(points, config)}
-    return io.make_document("memory", config, results, config.device, reporter.specs)
+    return documents.make_document("memory", config, results, config.device, reporter.specs)
 
 
 # --------------------------------------------------------------------------- summary and figure
@@ -282,9 +284,9 @@ def capture_overhead(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot_memory(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Peak forward memory vs length per path; the first failure of each path marked with an x."""
-    data = io.read_result(json_path, "memory")
+    data = documents.read_result(json_path, "memory")
     results = data["results"]
-    figure, (axes,) = io.new_figure()
+    figure, (axes,) = figures.new_figure()
     for index, path in enumerate(data["config"]["paths"]):
         mine = [p for p in results["points"] if p["path"] == path]
         ok = [p for p in mine if p["status"] == "ok"]
@@ -309,4 +311,4 @@ def plot_memory(json_path: str | Path, png: str | Path | None = None) -> Path:
         f"{results['model']} ({data['config']['device']}); feasible context vs eager: {text}", fontsize=8
     )
     axes.legend()
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))

@@ -12,7 +12,7 @@ import json
 import resource
 import sys
 
-from epikv.bench import io
+from epikv.bench import machine, model_loading
 from epikv.bench.memory import PATHS, measure_point
 
 GIB = 1 << 30
@@ -20,7 +20,7 @@ GIB = 1 << 30
 
 def cap_address_space(extra_bytes: int) -> int | None:
     """Limit the virtual address space to its current size plus ``extra_bytes``; returns the limit."""
-    now = io.virtual_size()
+    now = machine.virtual_size()
     if now is None:
         return None
     limit = now + extra_bytes
@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--capture-policy", default="epikv-flat")
     args = parser.parse_args(argv)
-    io.set_threads(args.threads)
-    model, _ = io.load_bench_model(args.model, args.device, args.dtype)
-    io.page_in(model)
+    machine.set_threads(args.threads)
+    model, _ = model_loading.load_bench_model(args.model, args.device, args.dtype)
+    model_loading.page_in(model)
     limit = cap_address_space(int(args.cap_gb * GIB)) if args.cap_gb else None
     point = measure_point(model, args.path, args.length, args.device, args.capture_policy)
-    point.update(model=io.model_name(model), address_space_limit=limit)
+    point.update(model=model_loading.model_name(model), address_space_limit=limit)
     sys.stdout.write(json.dumps(point) + "\n")
     return 0
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import io
+from epikv.bench import documents, figures, machine, model_loading, prompt_loading
 
 PAIRS = {"streaming": "streaming", "h2o": "observed", "tova": "tova"}
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
@@ -124,19 +124,19 @@ def model_folder(config: PeerConfig, model: torch.nn.Module | None, scratch: Pat
     from epikv.models import embedded_cache_folder, is_embedded_name
 
     if model is None and config.model is not None and config.model.startswith("random:"):
-        model, _ = io.load_bench_model(config.model)
+        model, _ = model_loading.load_bench_model(config.model)
     if model is not None:
         model.save_pretrained(scratch / "model")
         return scratch / "model"
     if is_embedded_name(config.model):
-        io.load_bench_model(None)  # converts the GGUF once if needed
+        model_loading.load_bench_model(None)  # converts the GGUF once if needed
         return embedded_cache_folder()
     return Path(config.model)
 
 
 def prompt_ids(config: PeerConfig, tokenizer: Any) -> list[int]:
-    text = io.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
-    return io.encode_prompt(tokenizer, text, config.chat)[0].tolist()
+    text = prompt_loading.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
+    return prompt_loading.prompt_token_ids(tokenizer, text, config.chat)
 
 
 # --------------------------------------------------------------------------- running both sides
@@ -150,7 +150,7 @@ def _json_line(proc: subprocess.CompletedProcess, what: str) -> dict[str, Any]:
 
 
 def run_side(cmd: list[str], what: str, timeout: float) -> dict[str, Any]:
-    env = dict(os.environ, **io.QUIET_MALLOC)
+    env = dict(os.environ, **machine.QUIET_MALLOC)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     try:
@@ -181,13 +181,13 @@ def run_peer(
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     runner: SideRunner | None = None,
-    reporter: io.Reporter | None = None,
+    reporter: documents.Reporter | None = None,
 ) -> dict[str, Any]:
     """Set up kvpress, then run every press and every policy of ``config``; the peer document.
 
     ``runner(cmd, what, timeout)`` runs one side's command (default: a fresh process)."""
     run_side_ = runner or run_side
-    reporter = reporter or io.Reporter()
+    reporter = reporter or documents.Reporter()
     from epikv.bench.speed import available_policies
 
     python, versions = ensure_peer_env(config) if config.presses else (None, {})
@@ -196,7 +196,7 @@ def run_peer(
         scratch = Path(tmp)
         folder = model_folder(config, model, scratch)
         if tokenizer is None:
-            tokenizer = io.load_bench_model(config.model)[1]
+            tokenizer = model_loading.load_bench_model(config.model)[1]
         ids_file = scratch / "ids.json"
         ids_file.write_text(json.dumps(prompt_ids(config, tokenizer)))
         args = common_args(config, folder, ids_file)
@@ -222,7 +222,7 @@ def run_peer(
         "rows": rows,
         "comparison": compare(rows),
     }
-    return io.make_document("peer", config, results, specs=reporter.specs)
+    return documents.make_document("peer", config, results, specs=reporter.specs)
 
 
 def _attention(config: PeerConfig, policy: str) -> str:
@@ -280,19 +280,19 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--attention", default="recompute")
     args = parser.parse_args(argv)
-    io.set_threads(args.threads)
+    machine.set_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     ids = torch.tensor([json.loads(Path(args.ids).read_text())])
-    io.page_in(model)
-    base = io.current_rss()
-    io.reset_peak_rss()
+    model_loading.page_in(model)
+    base = machine.current_rss()
+    machine.reset_peak_rss()
 
     spec: dict[str, Any] = {}
 
     def positions(cache: Any) -> list[int]:
-        spec.update(io.spec_record(cache.spec))
+        spec.update(documents.spec_record(cache.spec))
         held = cache.layers[0].positions[0, 0]
         return sorted(int(p) for p in held.tolist() if p >= 0)
 
@@ -302,7 +302,7 @@ def worker_main(argv: list[str]) -> int:
     report: dict[str, Any] = {
         "tokens_per_s": len(trace.step_s) / sum(trace.step_s),
         "prefill_s": trace.prefill_s,
-        "peak_bytes": io.peak_rss() - base,
+        "peak_bytes": machine.peak_rss() - base,
         "final_cache_tokens": [len(trace.extra)],
         "peak_cache_tokens": trace.peak_cache_tokens,
         "cache_spec": spec,
@@ -321,11 +321,11 @@ def worker_main(argv: list[str]) -> int:
 
 def plot_peer(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Tokens/s and peak memory per method, kvpress and epikv side by side."""
-    data = io.read_result(json_path, "peer")
+    data = documents.read_result(json_path, "peer")
     rows = [r for r in data["results"]["rows"] if "tokens_per_s" in r]
     labels = [f"{r['side']}\n{r['method']}" for r in rows]
     colours = ["C1" if r["side"] == "kvpress" else "C0" for r in rows]
-    figure, (left, right) = io.new_figure(width=10.0, height=4.2, ncols=2)
+    figure, (left, right) = figures.new_figure(width=10.0, height=4.2, ncols=2)
     left.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colours)
     right.bar(range(len(rows)), [r["peak_bytes"] / 2**20 for r in rows], color=colours)
     for axes, ylabel in ((left, "decode tokens/s"), (right, "peak memory above model (MiB)")):
@@ -333,7 +333,7 @@ def plot_peer(json_path: str | Path, png: str | Path | None = None) -> Path:
         axes.set_ylabel(ylabel)
     cfg = data["config"]
     left.set_title(f"K={cfg['budget']}, tau={cfg['interval']}, {cfg['tokens']} tokens", fontsize=9)
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))
 
 
 if __name__ == "__main__":

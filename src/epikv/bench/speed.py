@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import io
+from epikv.bench import documents, figures, machine, model_loading, prompt_loading
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.policies import policy_class
@@ -131,7 +131,7 @@ class PolicyDecode:
         # EOS ignored and a cap no run reaches: the decode length is the caller's.
         self.request = Request(input_ids[0].tolist(), 1 << 30)
         self.policy = policy
-        self.sync = io.synchronizer(input_ids.device)
+        self.sync = machine.synchronizer(input_ids.device)
         self.probe = _CacheProbe(self.engine.cache, self.sync)
         self.trace: DecodeTrace | None = None
 
@@ -187,12 +187,12 @@ def interleaved(
     input_ids: torch.Tensor,
     policies: list[str],
     config: SpeedConfig,
-    reporter: io.Reporter | None = None,
+    reporter: documents.Reporter | None = None,
     bar: Any = None,
 ) -> dict[str, DecodeTrace]:
     """All ``policies`` decode side by side, taking turns every ``config.chunk`` steps (``bar``, if
     given, advances by the steps each turn decodes)."""
-    reporter = reporter or io.Reporter()
+    reporter = reporter or documents.Reporter()
     runs = {
         p: PolicyDecode(model, input_ids, p, budget_of(config, p), config.interval, config.attention)
         for p in policies
@@ -227,15 +227,15 @@ def run_speed(
     config: SpeedConfig,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
-    reporter: io.Reporter | None = None,
+    reporter: documents.Reporter | None = None,
 ) -> dict[str, Any]:
     """Time every registered policy of ``config``; returns the speed document."""
-    reporter = reporter or io.Reporter()
-    io.set_threads(config.threads)
+    reporter = reporter or documents.Reporter()
+    machine.set_threads(config.threads)
     if model is None:
-        model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
-    text = io.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
-    ids = io.encode_prompt(tokenizer, text, config.chat).to(next(model.parameters()).device)
+        model, tokenizer = model_loading.load_bench_model(config.model, config.device, config.dtype)
+    text = prompt_loading.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
+    ids = prompt_loading.encode_prompt(tokenizer, text, config.chat).to(next(model.parameters()).device)
     policies, missing = available_policies(config.policies)
     timed_decode(model, ids, "full", None, config.warmup)  # first-call costs out of the way
     traces: dict[str, list[DecodeTrace]] = {p: [] for p in policies}
@@ -250,14 +250,14 @@ def run_speed(
     }
     equal_length_overhead(summaries, traces)
     results = {
-        "model": io.model_name(model),
+        "model": model_loading.model_name(model),
         "prompt_tokens": ids.shape[1],
         "missing_policies": missing,
         "policies": summaries,
         "ratios": speed_ratios(summaries),
     }
     results["targets"] = speed_targets(results, config)
-    return io.make_document("speed", config, results, config.device, reporter.specs)
+    return documents.make_document("speed", config, results, config.device, reporter.specs)
 
 
 def _steady(trace: DecodeTrace) -> slice:
@@ -362,9 +362,9 @@ def speed_targets(results: dict[str, Any], config: SpeedConfig) -> dict[str, Any
 
 def plot_speed(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Tokens/s against position (left) and per-step time against position (right), per policy."""
-    data = io.read_result(json_path, "speed")
+    data = documents.read_result(json_path, "speed")
     results, cfg = data["results"], data["config"]
-    figure, (left, right) = io.new_figure(width=10.0, height=4.2, ncols=2)
+    figure, (left, right) = figures.new_figure(width=10.0, height=4.2, ncols=2)
     for index, (name, summary) in enumerate(results["policies"].items()):
         series, colour = summary["series"], f"C{index}"
         label = f"{name} ({summary['tokens_per_s']:.1f} tok/s)"
@@ -379,4 +379,4 @@ def plot_speed(json_path: str | Path, png: str | Path | None = None) -> Path:
     right.set_title(
         f"device {cfg['device']}, threads {cfg['threads']}, attention {cfg['attention']}", fontsize=9
     )
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))

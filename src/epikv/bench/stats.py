@@ -1,9 +1,9 @@
 """Statistics of the fidelity study: bootstrap intervals over prompts, equal-peak-memory budgets and
 kept-position histograms.
 
-Pure numpy functions on per-prompt numbers; nothing here runs a model or knows a policy. The unit of
-resampling is the prompt: tokens of one prompt are not independent, so a per-token bootstrap would
-give intervals that are too narrow.
+Pure functions on per-prompt numbers (the bootstrap is ``scipy.stats.bootstrap``'s); nothing here
+runs a model or knows a policy. The unit of resampling is the prompt: tokens of one prompt are not
+independent, so a per-token bootstrap would give intervals that are too narrow.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
+import scipy.stats
 from numpy.typing import ArrayLike
 
 DEFAULT_RESAMPLES = 10_000
@@ -59,7 +60,7 @@ def bootstrap_mean(
         values: (N,) one number per prompt (e.g. that prompt's mean top-1 agreement).
         resamples: B, the number of resamples of N prompts drawn with replacement.
         level: coverage of the interval; its ends are the (1 - level)/2 and (1 + level)/2 quantiles
-            (numpy's linear interpolation) of the B resampled means.
+            of the B resampled means (``scipy.stats.bootstrap``, percentile method).
         seed: seeds the ``numpy.random.Generator`` (PCG64), so equal inputs give equal intervals.
 
     Returns:
@@ -67,11 +68,18 @@ def bootstrap_mean(
     """
     array = _per_prompt(values)
     _check(resamples, level)
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, array.size, size=(resamples, array.size))
-    means = array[draws].mean(axis=1)
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return Interval(float(array.mean()), float(low), float(high))
+    mean = float(array.mean())
+    if array.size == 1:  # every resample is the one prompt (scipy wants two observations)
+        return Interval(mean, mean, mean)
+    found = scipy.stats.bootstrap(
+        (array,),
+        np.mean,
+        n_resamples=resamples,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    ).confidence_interval
+    return Interval(mean, float(found.low), float(found.high))
 
 
 def paired_difference(

@@ -1,10 +1,11 @@
 """Rank statistics for calibration: Spearman ρ, problem-level bootstrap intervals, band choice.
 
 This module owns the numbers that turn per-token signals and labels into a band choice. It is pure
-numpy: it knows nothing of models, traces or profiles. Spearman ρ is the Pearson correlation of
-average ranks (ties share the mean of the ranks they span), as in ``scipy.stats.spearmanr``, written
-here so the core install needs no scipy. Rows are vectorised so a bootstrap over all layers and
-signals costs one sort per resample.
+numpy and scipy: it knows nothing of models, traces or profiles. Spearman ρ and the ranks are
+scipy's (ties share the mean of the ranks they span). The problem-level bootstrap stays here:
+``scipy.stats.bootstrap`` resamples observations, not groups of them, and cannot drop the resamples
+where ρ is undefined; its rows are vectorised so a bootstrap over all layers and signals costs one
+cumulative sum per resample.
 """
 
 from __future__ import annotations
@@ -15,31 +16,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import scipy.stats
+from scipy.stats import ConstantInputWarning, spearmanr
 
 
 def rankdata(x: np.ndarray) -> np.ndarray:
-    """Average ranks (1-based) along the last axis; ties get the mean of the ranks they occupy.
-
-    x: (..., N). Returns float64 of the same shape.
-    """
-    x = np.asarray(x)
-    n = x.shape[-1]
-    order = np.argsort(x, axis=-1, kind="stable")
-    ordered = np.take_along_axis(x, order, axis=-1)
-    first = np.ones(ordered.shape, dtype=bool)
-    first[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
-    last = np.ones(ordered.shape, dtype=bool)
-    last[..., :-1] = first[..., 1:]
-    index = np.broadcast_to(np.arange(n), ordered.shape)
-    start = np.maximum.accumulate(np.where(first, index, 0), axis=-1)
-    end = np.flip(np.minimum.accumulate(np.flip(np.where(last, index, n), -1), axis=-1), -1)
-    ranks = np.empty(ordered.shape, dtype=np.float64)
-    np.put_along_axis(ranks, order, (start + end) / 2.0 + 1.0, axis=-1)
-    return ranks
+    """Average ranks (1-based) along the last axis (``scipy.stats.rankdata``); ties get the mean of
+    the ranks they occupy. x: (..., N). Returns float64 of the same shape."""
+    return scipy.stats.rankdata(x, axis=-1).astype(np.float64)
 
 
 def spearman_rows(rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Spearman ρ of each row of ``rows`` (R, N) with ``labels`` (N,); NaN where either is constant."""
+    """Spearman ρ of each row of ``rows`` (R, N) with ``labels`` (N,); NaN where either is constant.
+
+    The Pearson correlation of scipy's average ranks, vectorised over rows (``scipy.stats.spearmanr``
+    on R rows computes the whole (R + 1)² matrix); it equals :func:`spearman` row by row."""
     rows = np.atleast_2d(np.asarray(rows, dtype=np.float64))
     ranked = rankdata(rows)
     ranked -= ranked.mean(axis=-1, keepdims=True)
@@ -49,8 +40,10 @@ def spearman_rows(rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman ρ of two 1-D arrays (NaN when either is constant)."""
-    return float(spearman_rows(np.asarray(x)[None], y)[0])
+    """Spearman ρ of two 1-D arrays (``scipy.stats.spearmanr``; NaN when either is constant)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConstantInputWarning)  # constant input: ρ undefined, NaN
+        return float(spearmanr(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)).statistic)
 
 
 @dataclass(frozen=True)

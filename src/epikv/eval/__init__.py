@@ -1,24 +1,23 @@
 """Evaluation of KV-cache policies on math reasoning benchmarks.
 
-Layout: `task` (what a task is: examples, slicing, the grading entry point), `tasks` and `hub`
-(where tasks come from), `extract` and `grading` (pure answer handling), `loops` (repetition
+Layout: `tasks` (what a task is: examples, slicing, the grading entry point; and where tasks come
+from: the shipped files, JSONL, the hub), `extract` and `grading` (pure answer handling), `loops` (repetition
 detection), `metrics` (aggregates), `config` / `records` / `runner` (resumable, shardable runs),
 `runs`, `report` and `plots` (read finished runs from files), `cli` (argparse glue).
-The generation engine is reached only through the `Generator` protocol in `protocol`.
+The generation engine is reached only through the `Generator` protocol in `generator`.
 """
 
 from epikv.eval.config import ConfigMismatchError, EvalConfig
 from epikv.eval.extract import extract_boxed
+from epikv.eval.generator import Generator, GeneratorFactory, SequenceResultLike
 from epikv.eval.grading import grade_math, grade_numeric, normalize_number
 from epikv.eval.loops import Loop, LoopConfig, detect_loop
 from epikv.eval.metrics import METRICS, Metric, summarize, wilson_interval
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT, build_messages
-from epikv.eval.protocol import Generator, GeneratorFactory, SequenceResultLike
 from epikv.eval.records import ExampleResult
 from epikv.eval.report import report
 from epikv.eval.runner import RunOutcome, run_eval
-from epikv.eval.task import Example, Grade, Task
-from epikv.eval.tasks import BUILTIN_TASKS, load_task
+from epikv.eval.tasks import BUILTIN_TASKS, Example, Grade, Task, load_task
 
 __all__ = [
     "BUILTIN_TASKS",

@@ -4,8 +4,8 @@ Owns argument parsing, turning arguments into `EvalConfig`s (one per policy × b
 of an eval: plan every run and say what was selected, check every owed prompt under every run, and
 only then generate. The top-level `epikv` parser lives in `epikv.cli` and calls `add_eval_parser` /
 `add_report_parser`.
-The model is reached only through `_default_generator_factory`, which imports the engine lazily so
-that argument parsing, reports and tests never load a model.
+The model is reached only through `_default_generator_factory` (`generator.engine_for_model`), which
+imports the engine lazily so that argument parsing, reports and tests never load a model.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 from epikv.errors import Interrupted
 from epikv.eval.config import EvalConfig
 from epikv.eval.fit import unfit_error
+from epikv.eval.generator import EngineFactory, Generator, engine_for_model, generator_factory
 from epikv.eval.plan import describe_selection
 from epikv.eval.plots import draw_all
-from epikv.eval.protocol import EngineFactory, Generator
 from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_requested
 from epikv.eval.records import load_run_results
 from epikv.eval.report import format_table
@@ -33,15 +33,8 @@ from epikv.policies import policy_class
 from epikv.spec import budget_at_peak, parse_budget, parse_policy_params
 from epikv.threads import THREADS_HELP, apply_threads, parse_threads
 
-
-def _default_generator_factory(model_name: str | None) -> EngineFactory:
-    """The engine's `make_generator` with the model bound: (policy, budget, interval, policy_params)."""
-    from epikv.generation import make_generator
-
-    def bound(policy: str, budget: int | None, interval: int | None, params: dict[str, Any]) -> Generator:
-        return make_generator(model_name, policy, budget, interval, params)
-
-    return bound
+# The engine for `--model`; a module attribute so that tests can replace it.
+_default_generator_factory = engine_for_model
 
 
 def parse_budget_arg(text: str) -> int:
@@ -170,10 +163,7 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     # Resolved at call time so tests can replace the module-level factory.
     engine = engine or _default_generator_factory(args.model)
     # Built only for runs that owe work, so a finished run never loads a model.
-    bound = [_Bound(engine, plan.config) for plan in plans]
-    generators = [
-        b(p.config.policy, p.config.budget) if p.work else None for p, b in zip(plans, bound, strict=True)
-    ]
+    generators = [_build(engine, p.config) if p.work else None for p in plans]
     checks = [check_plan(p, g) if g is not None else None for p, g in zip(plans, generators, strict=True)]
     unfit = [c for c in checks if c is not None and c.unfit]
     if unfit and not args.skip_unfit:
@@ -182,9 +172,9 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
         print(f"skipping (--skip-unfit): {check.describe()}")
     runs: list[RunSummary] = []
     try:
-        for plan, generator, check, factory in zip(plans, generators, checks, bound, strict=True):
+        for plan, generator, check in zip(plans, generators, checks, strict=True):
             outcome = execute(plan, generator, check)
-            factory.save_spec(outcome.folder)
+            _save_spec(outcome.folder, generator)
             config = outcome.config
             runs.append(
                 RunSummary(outcome.folder, plan.task.name, config.policy, config.budget, outcome.summary)
@@ -214,25 +204,20 @@ def _kept(plans: Sequence[RunPlan], finished: int, out: str) -> str:
     )
 
 
-class _Bound:
-    """The engine factory with one config's interval and parameters bound (a GeneratorFactory).
-    When it builds a generator it prints the resolved spec (policy, budget, the bands and which
-    profile they came from) on stderr, and :meth:`save_spec` records it as the run's ``spec.json``."""
+def _build(engine: EngineFactory, config: EvalConfig) -> Generator:
+    """The run's generator; the spec it resolved (policy, budget, the bands and which profile they came
+    from) is said on stderr."""
+    generator = generator_factory(engine, config)(config.policy, config.budget)
+    if generator.spec is not None:
+        print(f"[epikv] {generator.spec.describe()}", file=sys.stderr)
+    return generator
 
-    def __init__(self, engine: EngineFactory, config: EvalConfig) -> None:
-        self.engine, self.config, self.spec = engine, config, None
 
-    def __call__(self, policy: str, budget: int | None) -> Generator:
-        generator = self.engine(policy, budget, self.config.interval, self.config.policy_params)
-        self.spec = getattr(generator, "spec", None)
-        if self.spec is not None:
-            print(f"[epikv] {self.spec.describe()}", file=sys.stderr)
-        return generator
-
-    def save_spec(self, folder: Path) -> None:
-        if self.spec is not None:
-            record = {"describe": self.spec.describe(), **self.spec.config()}
-            (folder / "spec.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+def _save_spec(folder: Path, generator: Generator | None) -> None:
+    """The resolved spec as the run's ``spec.json`` (nothing when no generator was built or it has none)."""
+    if generator is not None and generator.spec is not None:
+        record = {"describe": generator.spec.describe(), **generator.spec.config()}
+        (folder / "spec.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def report_command(args: argparse.Namespace) -> int:

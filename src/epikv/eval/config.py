@@ -93,10 +93,9 @@ class EvalConfig:
             raise ValueError(f"interval must be >= 1 or None, got {self.interval}")
 
     def _check_sampling(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        from epikv.engine.request import SamplingParams  # the engine owns the sampling rules
+
+        SamplingParams(self.temperature, self.top_p, self.seed)
         if self.n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
         if self.n_samples > 1 and self.temperature == 0:

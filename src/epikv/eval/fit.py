@@ -4,8 +4,8 @@ Issue #12: an eval stopped after three results when one problem's prompt did not
 protected tokens, and the runs after it never ran. This module owns the check of one run's prompts
 (:func:`check_fit`: which problems cannot run, why, and the smallest budget that fits them all), the
 line that names them, and the error that stops an eval before anything is generated. The rules are
-the engine's (:func:`epikv.engine.prompt_fit`), reached through the generator's optional ``fit``
-(see ``protocol.py``); a generator without one is trusted. It neither generates nor writes.
+the engine's (:func:`epikv.engine.prompt_fit`), reached through the generator's ``fit`` (see
+``generator.py``). It neither generates nor writes.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from epikv.eval.generator import Generator
 from epikv.eval.prompts import build_messages
-from epikv.eval.protocol import Generator
-from epikv.eval.task import Example
+from epikv.eval.tasks import Example
 
 _SHOWN = 3  # problems named per run in the one-line summary
 
@@ -67,10 +67,9 @@ def check_fit(
     generator: Generator, examples: Sequence[Example], system_prompt: str | None, label: str
 ) -> FitReport:
     """Checks each example's prompt (as the runner will send it) with ``generator.fit``."""
-    fit = getattr(generator, "fit", None)
-    if fit is None or not examples:
-        return FitReport(label, len(examples), (), None)
-    fits = list(fit([build_messages(example.problem, system_prompt) for example in examples]))
+    if not examples:
+        return FitReport(label, 0, (), None)
+    fits = list(generator.fit([build_messages(example.problem, system_prompt) for example in examples]))
     if len(fits) != len(examples):
         raise RuntimeError(f"generator checked {len(fits)} prompts for {len(examples)}")
     unfit = tuple(

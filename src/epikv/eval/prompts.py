@@ -1,8 +1,11 @@
-"""The paper's prompt protocol (§1.9): a fixed system message, then the problem as the user turn."""
+"""The paper's prompt protocol (§1.9): a fixed system message, then the problem as the user turn.
+
+Owns the shape of a chat prompt (`Messages`) and how a problem becomes one.
+"""
 
 from __future__ import annotations
 
-from epikv.eval.protocol import Messages
+Messages = list[dict[str, str]]
 
 PAPER_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 

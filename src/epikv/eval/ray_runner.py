@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ from tqdm.auto import tqdm
 
 from epikv.cluster import connected, gpus_or_default
 from epikv.eval.config import EvalConfig, parse_shard, run_dir
+from epikv.eval.generator import EngineFactory, engine_for_model, generator_factory
 from epikv.eval.plan import done_keys
 from epikv.eval.progress import Key, ResultsWatcher
-from epikv.eval.protocol import EngineFactory, Generator
 from epikv.eval.report import report
 from epikv.eval.runner import RunOutcome, plan_work, run_eval
 from epikv.eval.tasks import Task, load_task
@@ -93,15 +92,7 @@ def run_shard(
     the config's model, loaded in the task's worker. The shard's prompts are checked before it
     generates: one that cannot run fails the task before it writes, or with ``skip_unfit`` is
     recorded as skipped."""
-    if engine is None:
-        from epikv.generation import make_generator
-
-        engine = partial(make_generator, config.model)
-    bound = engine
-
-    def factory(policy: str, budget: int | None) -> Generator:
-        return bound(policy, budget, config.interval, config.policy_params)
-
+    factory = generator_factory(engine or engine_for_model(config.model), config)
     return run_eval(config, factory, skip_unfit)
 
 

@@ -28,11 +28,11 @@ from epikv.eval.config import (
     saved_form,
 )
 from epikv.eval.fit import FitReport, Unfit, check_fit, unfit_error
+from epikv.eval.generator import Generator, GeneratorFactory, SequenceResultLike, make_sampling
 from epikv.eval.loops import LoopConfig, detect_loop
 from epikv.eval.metrics import summarize
 from epikv.eval.plan import RunPlan, WorkItem, batches, done_keys, plan_run, plan_work
 from epikv.eval.prompts import build_messages
-from epikv.eval.protocol import Generator, GeneratorFactory, SequenceResultLike, make_sampling
 from epikv.eval.records import (
     RESULTS_GLOB,
     SKIPPED_GLOB,
@@ -90,7 +90,7 @@ def make_record(
         final_cache_tokens=result.final_cache_tokens,
         evictions=result.evictions,
         text=result.text,
-        mean_cache_tokens=getattr(result, "mean_cache_tokens", None),
+        mean_cache_tokens=getattr(result, "mean_cache_tokens", None),  # older fakes lack it
     )
 
 
@@ -150,7 +150,7 @@ def _check_resolved_policy(folder: Path, resolved: dict[str, Any] | None) -> Non
 def _generate_all(
     config: EvalConfig, task: Task, work: list[WorkItem], generator: Generator, handle: IO[str]
 ) -> None:
-    _check_resolved_policy(Path(handle.name).parent, getattr(generator, "resolved_policy", None))
+    _check_resolved_policy(Path(handle.name).parent, generator.resolved_policy)
     loop_config = LoopConfig()
     correct = finished = 0
     label = f"{task.name} {config.policy} {config.budget_label}"

@@ -1,8 +1,15 @@
-"""Where evaluation tasks come from: the builtin datasets, JSONL files and the dataset hub.
+"""Evaluation tasks: what a task is, and where tasks come from.
 
-Tasks come from the JSONL files shipped in `epikv/data/` (math500, aime2024, amc2023, gsm8k), from
-any JSONL file with `problem`/`answer` fields, or from a dataset hub (`hf:...`, see `hub.py`). What a
-task is (`Example`, `Grade`, `Task`) lives in `task.py` and is re-exported here.
+Owns `Example`, `Grade` and `Task` (length, item access, slicing and `evaluate(example, completion)`;
+a task never generates), and the sources of tasks: the JSONL files shipped in `epikv/data/`
+(math500, aime2024, amc2023, gsm8k), any JSONL file with `problem`/`answer` fields, and a public
+dataset hub (`hf:DATASET[:CONFIG][:SPLIT]`, for users who are online).
+
+The hub needs the optional `datasets` package and network access; neither is available in our CI, so
+`load_hub_task` itself is not exercised by the tests (the spec parsing and row mapping are). Known hub
+copies of the builtin tasks: `hf:HuggingFaceH4/MATH-500` (split test), `hf:HuggingFaceH4/aime_2024:train`,
+`hf:openai/gsm8k:main:test`. Prefer the builtin names: the shipped files are pinned and verified, a hub
+dataset can change under the same name.
 """
 
 from __future__ import annotations
@@ -10,27 +17,83 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from epikv.eval.hub import load_hub_task
-from epikv.eval.task import DEFAULT_MAX_NEW_TOKENS, Example, Grade, Task
+from epikv.eval.extract import extract_boxed, extract_final_number
+from epikv.eval.grading import GRADERS
 
-__all__ = [
-    "BUILTIN_TASKS",
-    "DEFAULT_MAX_NEW_TOKENS",
-    "BuiltinTask",
-    "Example",
-    "Grade",
-    "Task",
-    "examples_from_rows",
-    "load_builtin",
-    "load_jsonl",
-    "load_task",
-    "read_jsonl_rows",
-]
+# Length caps of the paper's protocol (§1.9): 8192 new tokens for MATH-500, 16384 for AIME.
+DEFAULT_MAX_NEW_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem. `index` is its position in the full dataset, before any slicing."""
+
+    id: str
+    problem: str
+    answer: str
+    index: int
+
+
+@dataclass(frozen=True)
+class Grade:
+    correct: bool
+    extracted: str | None
+
+
+class Task:
+    """A sliceable, gradeable view of a list of examples."""
+
+    def __init__(
+        self,
+        name: str,
+        examples: Sequence[Example],
+        grader: str = "math",
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    ) -> None:
+        if grader not in GRADERS:
+            raise ValueError(f"unknown grader {grader!r}; known: {sorted(GRADERS)}")
+        ids = [example.id for example in examples]
+        if len(set(ids)) != len(ids):
+            duplicate = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"task {name!r} has duplicate example id {duplicate!r}")
+        self.name = name
+        self.grader = grader
+        self.max_new_tokens = max_new_tokens
+        self._examples = tuple(examples)
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def __getitem__(self, position: int) -> Example:
+        return self._examples[position]
+
+    def __iter__(self) -> Iterator[Example]:
+        return iter(self._examples)
+
+    def slice(self, offset: int = 0, limit: int | None = None) -> Task:
+        """The examples `offset .. offset + limit` of this view (all remaining ones when limit is None)."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        stop = None if limit is None else offset + limit
+        return Task(self.name, self._examples[offset:stop], self.grader, self.max_new_tokens)
+
+    def evaluate(self, example: Example, completion: str) -> Grade:
+        """Extracts the final answer from `completion` (boxed; for the numeric grader, GSM8K's
+        flexible fallback) and grades it against `example.answer`."""
+        extracted = (
+            extract_final_number(completion) if self.grader == "numeric" else extract_boxed(completion)
+        )
+        return Grade(correct=GRADERS[self.grader](extracted, example.answer), extracted=extracted)
+
+
+# -- where tasks come from: the builtin files and any JSONL file ----------------------------------
 
 
 @dataclass(frozen=True)
@@ -101,3 +164,78 @@ def load_task(spec: str) -> Task:
     raise ValueError(
         f"unknown dataset {spec!r}{hint}; use one of {sorted(BUILTIN_TASKS)}, a .jsonl path or hf:NAME"
     )
+
+
+# -- the dataset hub -------------------------------------------------------------------------------
+
+_PROBLEM_FIELDS = ("problem", "question", "Problem", "Question")
+_ANSWER_FIELDS = ("answer", "Answer", "final_answer")
+_ID_FIELDS = ("id", "unique_id", "ID")
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    dataset: str
+    config: str | None
+    split: str
+
+    @property
+    def task_name(self) -> str:
+        return "hf-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", self.dataset)
+
+
+def parse_hub_spec(spec: str) -> HubSpec:
+    """`hf:NAME` (split test), `hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT`."""
+    if not spec.startswith("hf:"):
+        raise ValueError(f"hub dataset spec must start with 'hf:', got {spec!r}")
+    parts = spec[3:].split(":")
+    if not parts[0] or len(parts) > 3 or not all(parts):
+        raise ValueError(f"bad hub dataset spec {spec!r}; expected hf:NAME[:CONFIG][:SPLIT]")
+    if len(parts) == 1:
+        return HubSpec(parts[0], None, "test")
+    if len(parts) == 2:
+        return HubSpec(parts[0], None, parts[1])
+    return HubSpec(parts[0], parts[1], parts[2])
+
+
+def _first_field(row: Mapping[str, object], names: tuple[str, ...], index: int) -> object:
+    for name in names:
+        if name in row:
+            return row[name]
+    raise ValueError(f"hub row {index} has none of the fields {list(names)}; fields: {sorted(row)}")
+
+
+def hub_answer(raw: object) -> str:
+    """The final answer of a hub row: GSM8K-style `rationale #### 1,234` becomes `1234`."""
+    text = str(raw)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    return text.strip()
+
+
+def examples_from_hub_rows(rows: Iterable[Mapping[str, object]], name: str) -> list[Example]:
+    examples = []
+    for index, row in enumerate(rows):
+        problem = str(_first_field(row, _PROBLEM_FIELDS, index))
+        answer = hub_answer(_first_field(row, _ANSWER_FIELDS, index))
+        found_id = next((row[key] for key in _ID_FIELDS if key in row), None)
+        example_id = str(found_id) if found_id is not None else f"{name}-{index:04d}"
+        examples.append(Example(example_id, problem, answer, index))
+    return examples
+
+
+def load_hub_task(spec: str) -> Task:
+    """Downloads `spec` with `datasets.load_dataset`. Untested offline: needs `datasets` and network."""
+    parsed = parse_hub_spec(spec)
+    try:
+        import datasets
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            f"dataset {spec!r} needs the 'datasets' package (pip install datasets) and network access; "
+            "the builtin names math500, aime2024, amc2023 and gsm8k work offline"
+        ) from err
+    rows = datasets.load_dataset(parsed.dataset, parsed.config, split=parsed.split)
+    grader = "numeric" if "gsm8k" in parsed.dataset.lower() else "math"
+    max_new_tokens = 16384 if "aime" in parsed.dataset.lower() else 8192
+    examples = examples_from_hub_rows(rows, parsed.task_name)
+    return Task(parsed.task_name, examples, grader, max_new_tokens)
