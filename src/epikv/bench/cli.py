@@ -114,8 +114,10 @@ _SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
 
 def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]]:
     module = importlib.import_module(f"epikv.bench.{kind}")
-    config_class = next(
-        v for k, v in vars(module).items() if k.endswith("Config") and dataclasses.is_dataclass(v)
+    config_class = next(  # the kind's own config, not one it imports (loops imports eval's LoopConfig)
+        v
+        for k, v in vars(module).items()
+        if k.endswith("Config") and dataclasses.is_dataclass(v) and v.__module__ == module.__name__
     )
     return config_class, module.QUICK, getattr(module, f"run_{kind}"), getattr(module, f"plot_{kind}")
 
@@ -152,7 +154,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     table = kinds.add_parser("table", help="print a fidelity or loops result as markdown tables")
     table.add_argument("result", help="a fidelity.json or loops.json written by epikv bench")
     table.add_argument("--metric", default="agreement_tail", help="the column rows are ranked by")
-    table.add_argument("--genres", type=_names, default=None, help="genres or datasets to print (default: all)")
+    table.add_argument("--genres", type=_names, default=None, help="genres or datasets to print")
     table.set_defaults(func=cmd_table)
 
 
