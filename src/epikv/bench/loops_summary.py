@@ -240,7 +240,7 @@ def comparison_table(summary: dict[str, Any], kind: str, target: Any, dataset: s
         "mean length",
         "bound",
         "diverged from full",
-        "loop start before / after 1st eviction",
+        "loop start: no eviction / before / after 1st eviction",
         "lost vs full (looped, cap)",
     ]
     header += [f"Δ loops vs {r}" for r in refs] + [f"Δ accuracy vs {r}" for r in refs] + ["mean cached"]
@@ -260,7 +260,7 @@ def comparison_table(summary: dict[str, Any], kind: str, target: Any, dataset: s
             item["label"], "–" if item["budget"] is None else str(item["budget"]),
             _pct(row["loop"]), _pct(row["cap_hit"]), _pct(row["correct"]), _pct(row["correct_finished"]),
             "–" if row["length"] is None else f"{row['length'][0]:.0f}", _pct(row["bound"]),
-            _pct(row["diverged"]), f"{start['before']} / {start['after']}",
+            _pct(row["diverged"]), f"{start['no eviction']} / {start['before']} / {start['after']}",
             f"{lost['problems']} ({lost['looped']}, {lost['cap_hit']})",
             *(_test(item, r, "loop") for r in refs), *(_test(item, r, "correct") for r in refs),
             "–" if row["mean_cache_tokens"] is None else f"{row['mean_cache_tokens']:.0f}",
