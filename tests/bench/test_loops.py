@@ -69,6 +69,11 @@ def test_run_is_resumable_cell_by_cell(tiny_pair, problems_file, tmp_path, monke
     assert len(parts) == 2 * 4  # 2 batches x (full + 3 cells)
     stored = json.loads(parts[0].read_text())
     assert "load_average" in stored and "token_ids" in stored["results"][0]
+    cost = results["cost"]["h2o@47"]  # what planning a full run needs: seconds, tokens, the load
+    assert cost["parts"] == 2 and cost["tokens"] == sum(
+        p["cells"]["h2o@47"]["length"] for p in results["problems"]
+    )
+    assert len(cost["load_average"]) == 2 and cost["tokens_per_second"] > 0
 
     calls = []
     real = loops.generate_cell

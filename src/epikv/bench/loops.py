@@ -199,6 +199,7 @@ def run_loops(
     loops = config.loop_config()
     records: list[dict[str, Any]] = []
     started, complete = time.perf_counter(), 0
+    costs: dict[str, dict[str, Any]] = {}
     bar = reporter.bar(len(work) * len(specs), "loops", unit="run")
     for g, (dataset, b, batch) in enumerate(work):
         parts = Parts(str(Path(config.parts_dir) / _safe(dataset)) if config.parts_dir else None)
@@ -218,6 +219,8 @@ def run_loops(
             continue  # another shard's batch, not finished yet
         complete += 1
         records.extend(_problem_records(batch, results, loops))
+        for name, result in results.items():
+            _add_cost(costs.setdefault(name, {}), parts.cost(b, name), result)
     bar.close()
     results_doc = {
         "model": io.model_name(model),
@@ -226,10 +229,23 @@ def run_loops(
         "batches": {"total": len(work), "complete": complete},
         "seconds": round(time.perf_counter() - started, 1),
         "load_average": io.load_average(),
+        "cost": costs,
         "problems": records,
         "summary": summarize_loops(records, plan, config.references),
     }
     return io.make_document("loops", config, results_doc, config.device, reporter.specs)
+
+
+def _add_cost(total: dict[str, Any], part: dict[str, Any] | None, result: list[dict[str, Any]]) -> None:
+    """Per cell: wall seconds of its (batch, cell) parts, tokens generated, tokens/s and the load
+    average at the end of each part (what the next session needs to plan a run)."""
+    tokens = sum(len(r.get("token_ids", ())) for r in result)
+    total["tokens"] = total.get("tokens", 0) + tokens
+    total["parts"] = total.get("parts", 0) + 1
+    if part is not None and part["seconds"]:
+        total["seconds"] = round(total.get("seconds", 0.0) + part["seconds"], 1)
+        total.setdefault("load_average", []).append(part["load_average"])
+        total["tokens_per_second"] = round(total["tokens"] / total["seconds"], 2)
 
 
 def _problem_records(
