@@ -24,6 +24,11 @@ def _ranked(label: str, rate: dict[str, Any] | None) -> Ranked:
     return Ranked(label, rate["rate"], rate["low"], rate["high"])
 
 
+def _shown(label: str, row: dict[str, Any]) -> str:
+    """A row's label, with its problem count when the budget could not hold some prompts."""
+    return f"{label} (n={row['problems']})" if row["skipped"] else label
+
+
 def plot_document(json_path: str | Path, png: str | Path | None = None) -> Path:
     data = io.read_result(json_path, "loops")
     summary = data["results"]["summary"]
@@ -38,9 +43,8 @@ def plot_document(json_path: str | Path, png: str | Path | None = None) -> Path:
     grid = figure.subplots(nrows, ncols, squeeze=False)
     for r, level in enumerate(levels):
         items = [i for i in level["datasets"][dataset] if i.get("cell")]
-        ranked_loops = rank([_ranked(i["label"], rows[i["cell"]]["loop"]) for i in items], False)
-        order = [row.label for row in ranked_loops]
-        cells = {i["label"]: i["cell"] for i in items}
+        cells = {_shown(i["label"], rows[i["cell"]]): i["cell"] for i in items}
+        order = [row.label for row in rank([_ranked(k, rows[c]["loop"]) for k, c in cells.items()], False)]
         for c, (key, name) in enumerate(PANELS):
             ranked = [_ranked(label, rows[cells[label]][key]) for label in order]
             reference = _ranked(FULL, rows[FULL][key]) if FULL in rows else None
