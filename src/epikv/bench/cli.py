@@ -26,7 +26,7 @@ KIND_HELP = {
     "memory": "peak memory of one forward: eager vs SDPA vs EpiKV's capture",
     "speed": "decode tokens/s and compaction cost of each policy",
     "fidelity": "agreement and KL with the full cache, per policy and budget",
-    "loops": "free-running loops, cap hits and accuracy per policy at equal peak memory",
+    "loops": "free-running loops, cap hits and accuracy at equal peak memory",
     "capacity": "requests that fit in GPU memory per context (no model runs)",
     "peer": "side by side with NVIDIA kvpress: speed, memory, kept set",
     "serve": "epikv serve under concurrent clients: throughput, latency",
