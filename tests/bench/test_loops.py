@@ -54,6 +54,8 @@ def test_plan_matches_peaks_and_says_why_a_policy_cannot(tiny_pair, problems_fil
     assert next(iter(specs)) == "full" and specs["epikv@32"].budget == 32
     why = next(e["why"] for e in plan if e["label"] == "epikv" and e["target"] == 48)
     assert "interval tau = 128" in why
+    with pytest.raises(ValueError, match="sweep policy 'full' does not evict"):
+        loops.plan_cells(tiny_pair[0], _config(problems_file, tmp_path, sweep_policies=("full",)))
 
 
 def test_run_is_resumable_cell_by_cell(tiny_pair, problems_file, tmp_path, monkeypatch):

@@ -158,6 +158,9 @@ def plan_cells(
                 add(label, "peak", peak, budget_at_peak(name, peak, config.interval, params), raw)
             except ValueError as err:
                 plan.append({"label": label, "kind": "peak", "target": peak, "budget": None, "why": str(err)})
+    for label in config.sweep_policies:
+        if not policy_class(parse_variant(label)[0]).evicts:
+            raise ValueError(f"sweep policy {label!r} does not evict: a sweep over K means nothing for it")
     for budget in config.sweep_budgets:
         for label in config.sweep_policies:
             add(label, "sweep", budget, budget, parse_variant(label)[1])
@@ -190,12 +193,8 @@ def run_loops(
         reporter.uses(spec)
     stop = frozenset(eos_ids(model, tokenizer))
     settings = {"max_new_tokens": config.max_new_tokens, "stop": sorted(stop), "model": io.model_name(model)}
-    work = []
-    for dataset, count, offset in zip(config.datasets, config.problems, config.offsets, strict=True):
-        problems = load_problems(dataset, count, offset, tokenizer, config.system_prompt)
-        for b, lo in enumerate(range(0, count, config.batch_size)):
-            work.append((dataset, b, problems[lo : lo + config.batch_size]))
-    index, count = parse_shard(config.shard)
+    work = _batches(config, tokenizer)
+    shard_index, shard_count = parse_shard(config.shard)
     loops = config.loop_config()
     records: list[dict[str, Any]] = []
     started, complete = time.perf_counter(), 0
@@ -207,7 +206,7 @@ def run_loops(
         results: dict[str, list[dict[str, Any]] | None] = {}
         for name, spec in specs.items():
             results[name] = parts.get(b, name, cell_print(fingerprint, spec))
-            if results[name] is None and g % count == index:
+            if results[name] is None and g % shard_count == shard_index:
                 t0 = time.perf_counter()
                 results[name] = generate_cell(model, tokenizer, batch, spec, config.max_new_tokens, stop)
                 seconds = time.perf_counter() - t0
@@ -234,6 +233,16 @@ def run_loops(
         "summary": summarize_loops(records, plan, config.references),
     }
     return io.make_document("loops", config, results_doc, config.device, reporter.specs)
+
+
+def _batches(config: LoopsConfig, tokenizer: Any) -> list[tuple[str, int, list[Problem]]]:
+    """(dataset, batch number within it, problems) for every batch of the study, dataset by dataset."""
+    work = []
+    for dataset, count, offset in zip(config.datasets, config.problems, config.offsets, strict=True):
+        problems = load_problems(dataset, count, offset, tokenizer, config.system_prompt)
+        for b, lo in enumerate(range(0, count, config.batch_size)):
+            work.append((dataset, b, problems[lo : lo + config.batch_size]))
+    return work
 
 
 def _add_cost(total: dict[str, Any], part: dict[str, Any] | None, result: list[dict[str, Any]]) -> None:
