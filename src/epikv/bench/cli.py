@@ -20,13 +20,14 @@ from typing import Any
 from epikv.bench import documents
 from epikv.outputs import check_output_dir, check_output_file
 
-KINDS = ("memory", "speed", "step", "fidelity", "capacity", "peer", "serve")
+KINDS = ("memory", "speed", "step", "fidelity", "loops", "capacity", "peer", "serve")
 # One line each for `epikv bench --help` (the run functions' docstrings are written for readers of code).
 KIND_HELP = {
     "memory": "peak memory of one forward: eager vs SDPA vs EpiKV's capture",
     "speed": "decode tokens/s and compaction cost of each policy",
     "step": "the decode step against the memory-traffic bound (batch x cached tokens x dtype)",
     "fidelity": "agreement and KL with the full cache, per policy and budget",
+    "loops": "free-running loops, cap hits and accuracy at equal peak memory",
     "capacity": "requests that fit in GPU memory per context (no model runs)",
     "peer": "side by side with NVIDIA kvpress: speed, memory, kept set",
     "serve": "epikv serve under concurrent clients: throughput, latency",
@@ -74,6 +75,17 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--reference": ("reference", str, "policy the others are compared with, paired over prompts"),
     "--free-run": ("free_run", str, "free running: none | generated (genres whose text the model writes)"),
     "--tail-tokens": ("tail_tokens", int, "common window: the last N positions of every trace"),
+    "--datasets": ("datasets", _names, "comma-separated eval datasets (gsm8k, math500, a .jsonl...)"),
+    "--problems": ("problems", _ints, "problems per dataset, comma-separated"),
+    "--offsets": ("offsets", _ints, "first problem of each dataset, comma-separated"),
+    "--max-new-tokens": ("max_new_tokens", int, "length cap of each generation (EOS stops earlier)"),
+    "--sweep-policies": ("sweep_policies", _names, "policies also run at each --sweep-budgets K"),
+    "--sweep-budgets": ("sweep_budgets", _ints, "equal-K sweep: comma-separated budgets"),
+    "--references": ("references", _names, "policies every cell is tested against (paired)"),
+    "--loop-min-span": ("loop_min_span", int, "loop detector: the periodic tail covers this many tokens"),
+    "--shard": ("shard", str, "I/N: compute every N-th batch only (parts kept for the others)"),
+    "--shards": ("shards", int, "with --ray: shards run as Ray tasks"),
+    "--ray": ("ray", str, "run --shards shards as Ray tasks: ADDRESS (auto, HOST:PORT) or local"),
     "--batch-size": ("batch_size", int, "prompts decoded together (one engine batch)"),
     "--min-length": ("min_length", int, "first forward length (doubles up to --max-length)"),
     "--max-length": ("max_length", int, "longest forward length tried"),
@@ -105,14 +117,18 @@ _SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
 
 def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]]:
     module = importlib.import_module(f"epikv.bench.{kind}")
-    config_class = next(
-        v for k, v in vars(module).items() if k.endswith("Config") and dataclasses.is_dataclass(v)
+    config_class = next(  # the kind's own config, not one it imports (loops imports eval's LoopConfig)
+        v
+        for k, v in vars(module).items()
+        if k.endswith("Config") and dataclasses.is_dataclass(v) and v.__module__ == module.__name__
     )
     return config_class, module.QUICK, getattr(module, f"run_{kind}"), getattr(module, f"plot_{kind}")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: memory, speed, step, fidelity, capacity, peer, serve")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: memory, speed, step, fidelity, loops, capacity, peer, serve"
+    )
     kinds = bench.add_subparsers(dest="bench_kind", required=True, title="benchmarks", metavar="KIND")
     for kind in KINDS:
         config_class = _kind(kind)[0]
@@ -140,10 +156,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("result", help="a <kind>.json written by epikv bench")
     plot.add_argument("--png", default=None, help="output path (default: beside the JSON)")
     plot.set_defaults(func=cmd_plot)
-    table = kinds.add_parser("table", help="print a fidelity result's comparisons as markdown tables")
-    table.add_argument("result", help="a fidelity.json written by epikv bench fidelity")
+    table = kinds.add_parser("table", help="print a fidelity or loops result as markdown tables")
+    table.add_argument("result", help="a fidelity.json or loops.json written by epikv bench")
     table.add_argument("--metric", default="agreement_tail", help="the column rows are ranked by")
-    table.add_argument("--genres", type=_names, default=None, help="genres to print (default: all)")
+    table.add_argument("--genres", type=_names, default=None, help="genres or datasets to print")
     table.set_defaults(func=cmd_table)
 
 
@@ -178,11 +194,21 @@ def _announce(line: str) -> None:
 
 
 def cmd_table(args: argparse.Namespace) -> int:
+    from epikv.bench import loops_summary
     from epikv.bench.fidelity_summary import METRICS, markdown
 
+    data = documents.read_result(args.result)
+    if data["kind"] not in ("fidelity", "loops"):
+        raise ValueError(f"{args.result}: a {data['kind']!r} result has no tables (fidelity, loops have)")
+    summary = data["results"]["summary"]
+    if data["kind"] == "loops":  # --genres names its datasets
+        unknown = sorted(set(args.genres or ()) - set(summary["datasets"]))
+        if unknown:
+            raise ValueError(f"--genres {','.join(unknown)}: the result has {', '.join(summary['datasets'])}")
+        print(loops_summary.markdown(summary, args.genres))
+        return 0
     if args.metric not in METRICS:
         raise ValueError(f"--metric {args.metric!r} is not one of {', '.join(METRICS)}")
-    summary = documents.read_result(args.result, "fidelity")["results"]["summary"]
     unknown = sorted(set(args.genres or ()) - set(summary["genres"]))
     if unknown:
         raise ValueError(f"--genres {','.join(unknown)}: the result has {', '.join(summary['genres'])}")

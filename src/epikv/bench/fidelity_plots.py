@@ -1,8 +1,9 @@
 """Figures of the fidelity study, drawn from its result document alone.
 
-``plot_document`` writes the main figure (per genre: top-1 agreement over the common tail window
-against the mean cached tokens, one line per policy through its budgets, 95% intervals) and, beside
-it, ``<name>-kept.png``: where each policy's kept tokens sit (kept-position histograms pooled over
+``plot_document`` writes the main figure (per comparison and genre: the cells ranked by top-1
+agreement over the common tail window, 95% intervals, the reference policy's interval shaded, and
+the memory each cell held beside them; :mod:`epikv.bench.interval_plots`) and, beside it,
+``<name>-kept.png``: where each policy's kept tokens sit (kept-position histograms pooled over
 compactions, layers, heads and prompts).
 """
 
@@ -11,49 +12,55 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import documents, figures
+from epikv.bench import io
+from epikv.bench.interval_plots import Ranked, memory_panel, rank, ranked_panel
 
 
-def _cells_of(results: dict[str, Any]) -> dict[str, list[tuple[int, str]]]:
-    """label -> [(budget, cell)] in budget order."""
-    found: dict[str, set[tuple[int, str]]] = {}
-    for entry in results["plan"]:
-        if entry.get("cell"):
-            found.setdefault(entry["label"], set()).add((entry["budget"], entry["cell"]))
-    return {label: sorted(cells) for label, cells in found.items()}
+def _ranked(label: str, value: list[float] | None) -> Ranked:
+    return Ranked(label, None, None, None) if value is None else Ranked(label, *value)
 
 
 def plot_document(
     json_path: str | Path, png: str | Path | None = None, metric: str = "agreement_tail"
 ) -> Path:
-    data = documents.read_result(json_path, "fidelity")
+    """One row of panels per comparison (each equal K, each equal peak): per genre, the cells ranked
+    by ``metric`` with 95% intervals and the reference policy's interval shaded; last, the memory
+    each cell held (pooled genre), in the ranking of the last genre."""
+    data = io.read_result(json_path, "fidelity")
     results = data["results"]
-    summary, cells = results["summary"], _cells_of(results)
-    genres = summary["genres"]
-    figure, axes = figures.new_figure(width=4.0 * len(genres), height=4.2, ncols=len(genres))
-    for panel, genre in zip(axes, genres, strict=True):
-        rows = summary["rows"][genre]
-        for index, (label, chosen) in enumerate(cells.items()):
-            points = [(rows[c]["mean_cache_tokens"], rows[c][metric]) for _, c in chosen if rows[c][metric]]
-            points = [(x, y) for x, y in points if x is not None]
-            if not points:
-                continue
-            xs = [x for x, _ in points]
-            ys = [y[0] for _, y in points]
-            err = [[y[0] - y[1] for _, y in points], [y[2] - y[0] for _, y in points]]
-            style = "-" if index < 10 else "--"
-            panel.errorbar(
-                xs, ys, yerr=err, fmt="o" + style, color=f"C{index % 10}", ms=3, lw=1, capsize=2, label=label
-            )
-        panel.set_title(f"{genre} ({summary['full'][genre]['prompts']} prompts)", fontsize=9)
-        panel.set_xlabel("mean cached tokens")
-    axes[0].set_ylabel(f"{metric.replace('_', ' ')} with the full cache")
-    axes[-1].legend(fontsize=6, loc="lower right")
+    summary = results["summary"]
+    genres, comparisons = summary["genres"], summary["comparisons"]
+    higher = not metric.startswith(("kl", "nll"))
+    figure, axes = io.new_figure(width=3.4 * (len(genres) + 1), height=0.4 * 12 * len(comparisons) + 0.8)
+    axes[0].remove()
+    grid = figure.subplots(len(comparisons), len(genres) + 1, squeeze=False)
+    for r, comparison in enumerate(comparisons):
+        what = "equal K" if comparison["kind"] == "budget" else "equal peak memory"
+        order: list[str] = []
+        for c, genre in enumerate(genres):
+            rows = summary["rows"][genre]
+            items = {i["label"]: i["cell"] for i in comparison["genres"][genre] if i.get("cell")}
+            ranked = rank([_ranked(label, rows[cell][metric]) for label, cell in items.items()], higher)
+            ref_label = next((k for k, v in items.items() if v == comparison["reference"]), None)
+            reference = None if ref_label is None else _ranked(ref_label, rows[items[ref_label]][metric])
+            ranked_panel(grid[r][c], ranked, reference, metric.replace("_", " "))
+            grid[r][c].set_title(f"{genre}, {what} {comparison['target']}", fontsize=8, loc="left")
+            order = [row.label for row in ranked]
+        rows = summary["rows"][genres[-1]]
+        cells = {i["label"]: i["cell"] for i in comparison["genres"][genres[-1]] if i.get("cell")}
+        memory_panel(
+            grid[r][-1],
+            order,
+            [rows[cells[label]]["mean_cache_tokens"] for label in order],
+            [rows[cells[label]]["peak_cache_tokens"] for label in order],
+        )
     cfg = data["config"]
     figure.suptitle(
-        f"{results['model']}: T={cfg['trace_tokens']}, tail = last {cfg['tail_tokens']} tokens", fontsize=9
+        f"{results['model']}: T={cfg['trace_tokens']}, tail = last {cfg['tail_tokens']} tokens "
+        f"(grey: the reference policy's 95% interval)",
+        fontsize=9,
     )
-    out = figures.save_figure(figure, png or figures.png_path(json_path))
+    out = io.save_figure(figure, png or io.png_path(json_path))
     plot_kept(data, out.with_name(out.stem + "-kept.png"))
     return out
 
@@ -73,7 +80,7 @@ def plot_kept(data: dict[str, Any], png: Path, genre: str | None = None) -> Path
         return None
     cols = min(5, len(items))
     nrows = (len(items) + cols - 1) // cols
-    figure, axes = figures.new_figure(width=2.4 * cols, height=1.9 * nrows + 0.4, ncols=1)
+    figure, axes = io.new_figure(width=2.4 * cols, height=1.9 * nrows + 0.4, ncols=1)
     axes[0].remove()
     grid = figure.subplots(nrows, cols, squeeze=False, sharey=True)
     for ax in grid.flat[len(items) :]:
@@ -90,4 +97,4 @@ def plot_kept(data: dict[str, Any], png: Path, genre: str | None = None) -> Path
         ax.tick_params(labelsize=6)
     figure.supxlabel("relative position of a kept token (0 = first prompt token, 1 = newest)", fontsize=8)
     figure.suptitle(f"where the kept tokens sit ({genre}, {first['kind']} {first['target']})", fontsize=9)
-    return figures.save_figure(figure, png)
+    return io.save_figure(figure, png)

@@ -46,6 +46,13 @@ class Parts:
         data = json.loads(self._path(batch, name).read_text())
         return data["results"] if data.get("fingerprint") == fingerprint else None
 
+    def cost(self, batch: int, name: str) -> dict[str, Any] | None:
+        """The seconds a stored piece took and the load average when it finished (None if absent)."""
+        if self.folder is None or not self._path(batch, name).is_file():
+            return None
+        data = json.loads(self._path(batch, name).read_text())
+        return {"seconds": data.get("seconds"), "load_average": data.get("load_average")}
+
     def put(self, batch: int, name: str, fingerprint: str, results: Any, seconds: float) -> None:
         """Store one piece atomically (written beside, then renamed), with its time and the load."""
         if self.folder is None:
