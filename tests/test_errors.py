@@ -102,7 +102,7 @@ def test_ctrl_c_during_generate_says_how_far_it_got(capsys, monkeypatch, tiny_ll
             on_token(0, token)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(epikv.models, "load_model", lambda name: (tiny_llama, tok))
+    monkeypatch.setattr(epikv.models, "load_model", lambda name, **_: (tiny_llama, tok))
     monkeypatch.setattr(epikv.generation, "generate", interrupted_generate)
     assert main(["generate", "--policy", "streaming", "hi"]) == EXIT_INTERRUPTED
     captured = capsys.readouterr()
@@ -111,7 +111,7 @@ def test_ctrl_c_during_generate_says_how_far_it_got(capsys, monkeypatch, tiny_ll
 
 
 def test_a_prompt_past_the_context_is_one_line(capsys, monkeypatch, tiny_llama, tok):
-    monkeypatch.setattr(epikv.models, "load_model", lambda name: (tiny_llama, tok))
+    monkeypatch.setattr(epikv.models, "load_model", lambda name, **_: (tiny_llama, tok))
     assert main(["generate", "--policy", "streaming", "x" * 5000]) == 2
     assert (
         error_line(capsys)
@@ -120,7 +120,7 @@ def test_a_prompt_past_the_context_is_one_line(capsys, monkeypatch, tiny_llama, 
 
 
 def test_a_long_prefill_shows_progress(capsys, monkeypatch, tiny_llama, tok):
-    monkeypatch.setattr(epikv.models, "load_model", lambda name: (tiny_llama, tok))
+    monkeypatch.setattr(epikv.models, "load_model", lambda name, **_: (tiny_llama, tok))
     argv = ["generate", "--json", "--policy", "streaming", "--max-new-tokens", "2", "y" * 3000]
     assert main(argv) == 0
     err = capsys.readouterr().err

@@ -25,6 +25,14 @@ from epikv.policies.registry import get_policy, policy_class
 ATTENTION_MODES = ("recompute", "eager")
 
 
+class BudgetTooSmall(ValueError):
+    """A budget cannot hold a prompt's protected tokens; ``min_budget`` is the smallest that can."""
+
+    def __init__(self, message: str, min_budget: int) -> None:
+        super().__init__(message)
+        self.min_budget = min_budget
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """policy: resolved for the model; budget: K tokens per sequence (None = no eviction);
@@ -85,7 +93,8 @@ class CacheSpec:
         return k
 
     def check_prompt(self, prompt_tokens: int, budget: int | None = None) -> None:
-        """Raise ValueError (with the smallest budget that works) if the prompt cannot run at K."""
+        """Raise :class:`BudgetTooSmall` (with the smallest budget that works) if the prompt cannot run
+        at K."""
         k = self.budget if budget is None else budget
         if k is None:
             return
@@ -95,10 +104,11 @@ class CacheSpec:
         p = self.policy
         what = "prompt" if p.protect_prompt else f"{p.n_sink} sinks"
         first = prompt_tokens if p.protect_prompt else min(p.n_sink, prompt_tokens)
-        raise ValueError(
+        smallest = self.min_budget(prompt_tokens)
+        raise BudgetTooSmall(
             f"budget {k} cannot hold the protected tokens of policy {p.name!r}: {what} ({first}) + recent "
-            f"window ({p.recent_window(k)}) = {needed}; the smallest budget that holds them is "
-            f"{self.min_budget(prompt_tokens)}"
+            f"window ({p.recent_window(k)}) = {needed}; the smallest budget that holds them is {smallest}",
+            smallest,
         )
 
     def row_budget(self, budget: int | None) -> int | None:
@@ -164,6 +174,32 @@ def parse_budget(value: int | str | None) -> int | None:
     return value
 
 
+def peak_for_budget(budget: int, interval: int, length: int | None = None) -> int:
+    """Peak cached tokens of a policy that lets the cache grow to K + tau and compacts back to K every
+    tau steps once over budget (e.g. ``epikv``: K=256, tau=128 -> 384; ``streaming``: tau=1 -> 257).
+    ``length`` (prompt + generated tokens) caps it for a sequence that never reaches K + tau."""
+    if budget < 1 or interval < 1:
+        raise ValueError(f"budget and interval must be >= 1, got {budget} and {interval}")
+    peak = budget + interval
+    return peak if length is None else min(peak, length)
+
+
+def budget_for_peak(peak: int, interval: int, min_budget: int = 1) -> int:
+    """The budget K whose peak K + tau equals ``peak`` (the inverse of :func:`peak_for_budget`): the one
+    place equal peak memory is turned into a budget.
+
+    Raises:
+        ValueError: K = peak - tau is below ``min_budget`` (e.g. the prompt plus recent window the
+            policy protects): the policy cannot run at that peak.
+    """
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1, got {interval}")
+    budget, floor = peak - interval, max(1, min_budget)
+    if budget < floor:
+        raise ValueError(f"peak {peak} - tau {interval} leaves budget {budget}, below the minimum {floor}")
+    return budget
+
+
 def budget_at_peak(
     policy: str, peak: int, interval: int | None = None, params: Mapping[str, Any] | None = None
 ) -> int:
@@ -173,7 +209,7 @@ def budget_at_peak(
     tau = interval or (params or {}).get("interval") or policy_class(policy)().interval
     if peak - tau < 1:
         raise ValueError(f"peak {peak} is not above {policy}'s interval tau = {tau}: no budget is left")
-    return peak - tau
+    return budget_for_peak(peak, tau)
 
 
 def _bands_for(policy: Policy, model: ModelInfo) -> Bands | None:

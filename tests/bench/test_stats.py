@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from epikv import spec
 from epikv.bench import stats
 
 
@@ -59,15 +60,15 @@ def test_interval_overlap_and_zero():
 
 
 def test_peak_and_budget_arithmetic():
-    assert stats.peak_for_budget(256, 128) == 384  # epikv
-    assert stats.peak_for_budget(256, 1) == 257  # streaming
-    assert stats.peak_for_budget(256, 128, length=300) == 300
-    assert stats.budget_for_peak(384, 128) == 256 and stats.budget_for_peak(384, 1) == 383
+    assert spec.peak_for_budget(256, 128) == 384  # epikv
+    assert spec.peak_for_budget(256, 1) == 257  # streaming
+    assert spec.peak_for_budget(256, 128, length=300) == 300
+    assert spec.budget_for_peak(384, 128) == 256 and spec.budget_for_peak(384, 1) == 383
     assert stats.match_budgets(384, {"epikv": 128, "streaming": 1}) == {"epikv": 256, "streaming": 383}
     with pytest.raises(ValueError, match="128 leaves budget 128, below the minimum 160"):
         stats.match_budgets(256, {"epikv": 128, "streaming": 1}, {"epikv": 160})
     with pytest.raises(ValueError, match="below the minimum 1"):
-        stats.budget_for_peak(128, 128)
+        spec.budget_for_peak(128, 128)
 
 
 def test_budget_from_measured_points():

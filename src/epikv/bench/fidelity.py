@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, machine, model_loading, prompt_loading, stats
+from epikv.bench import documents, machine, model_loading, prompt_loading
 from epikv.bench.fidelity_runs import (
     _Recorder,
     forced_references,
@@ -45,7 +45,7 @@ from epikv.bench.fidelity_runs import (
 from epikv.bench.fidelity_summary import summarize_fidelity
 from epikv.bench.parts import Parts, cell_print, fingerprint_of
 from epikv.integration import build_spec
-from epikv.spec import CacheSpec
+from epikv.spec import CacheSpec, budget_for_peak
 
 __all__ = ["FidelityConfig", "_Recorder", "forced_references", "free_run", "full_traces", "teacher_force"]
 
@@ -188,7 +188,7 @@ def plan_cells(
         wanted = [("budget", k, k) for k in config.budgets]
         for peak in config.peaks:
             try:
-                wanted.append(("peak", peak, stats.budget_for_peak(peak, max(tau, 1))))
+                wanted.append(("peak", peak, budget_for_peak(peak, max(tau, 1))))
             except ValueError as err:
                 plan.append({"label": label, "kind": "peak", "target": peak, "budget": None, "why": str(err)})
         for kind, target, k in wanted:

@@ -16,6 +16,8 @@ import numpy as np
 import scipy.stats
 from numpy.typing import ArrayLike
 
+from epikv.spec import budget_for_peak
+
 DEFAULT_RESAMPLES = 10_000
 
 
@@ -103,31 +105,6 @@ def paired_difference(
 
 
 # --------------------------------------------------------------------------- equal peak memory
-
-
-def peak_for_budget(budget: int, interval: int, length: int | None = None) -> int:
-    """Peak cached tokens of a policy that lets the cache grow to K + tau and compacts back to K every
-    tau steps once over budget (e.g. ``epikv``: K=256, tau=128 -> 384; ``streaming``: tau=1 -> 257).
-    ``length`` (prompt + generated tokens) caps it for a sequence that never reaches K + tau."""
-    if budget < 1 or interval < 1:
-        raise ValueError(f"budget and interval must be >= 1, got {budget} and {interval}")
-    peak = budget + interval
-    return peak if length is None else min(peak, length)
-
-
-def budget_for_peak(peak: int, interval: int, min_budget: int = 1) -> int:
-    """The budget K whose peak K + tau equals ``peak`` (inverse of :func:`peak_for_budget`).
-
-    Raises:
-        ValueError: K = peak - tau is below ``min_budget`` (e.g. the prompt plus recent window the
-            policy protects): the policy cannot run at that peak.
-    """
-    if interval < 1:
-        raise ValueError(f"interval must be >= 1, got {interval}")
-    budget, floor = peak - interval, max(1, min_budget)
-    if budget < floor:
-        raise ValueError(f"peak {peak} - tau {interval} leaves budget {budget}, below the minimum {floor}")
-    return budget
 
 
 def match_budgets(

@@ -2,14 +2,18 @@
 their rows, a runner that executes one forward, and the :class:`Engine` that drives them.
 Every decode in epikv runs here (see :mod:`epikv.engine.engine`)."""
 
-from epikv.engine.engine import Engine, PromptFit, prompt_fit
+from epikv.engine.engine import Engine, PromptFit, PromptTooLong, prompt_fit
 from epikv.engine.request import Completion, Request, SamplingParams
-from epikv.engine.scheduler import QueueFull, Scheduler, SchedulerLimits
+from epikv.engine.scheduler import PoolTooSmall, QueueFull, Scheduler, SchedulerLimits
+from epikv.spec import BudgetTooSmall
 
 __all__ = [
+    "BudgetTooSmall",
     "Completion",
     "Engine",
+    "PoolTooSmall",
     "PromptFit",
+    "PromptTooLong",
     "QueueFull",
     "Request",
     "SamplingParams",

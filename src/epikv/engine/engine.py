@@ -30,6 +30,10 @@ from epikv.spec import CacheSpec
 log = logging.getLogger(__name__)
 
 
+class PromptTooLong(ValueError):
+    """A prompt longer than the model's context: no budget helps."""
+
+
 @dataclass(frozen=True)
 class PromptFit:
     """Whether a prompt can run: its length, why not (None when it can), and the smallest budget that
@@ -115,12 +119,13 @@ class Engine:
         return self.spec.peak_tokens(request.prompt_tokens, request.max_new_tokens, request.budget)
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming what cannot work for this request, before any compute."""
+        """Raise what cannot work for this request, before any compute: a ValueError, typed where a
+        caller maps it to a parameter (PromptTooLong, BudgetTooSmall, PoolTooSmall)."""
         self.spec.row_budget(request.budget)
-        fit = prompt_fit(self.spec, self.context_length, request.prompt_tokens, request.budget)
-        if fit.problem is not None:
-            raise ValueError(fit.problem)
         context, tokens = self.context_length, request.prompt_tokens
+        if context is not None and tokens > context:
+            raise PromptTooLong(prompt_fit(self.spec, context, tokens).problem)
+        self.spec.check_prompt(tokens, request.budget)  # BudgetTooSmall, with the smallest budget
         if context is not None and tokens + request.max_new_tokens > context:
             log.warning(
                 "request %s: %d prompt + %d new tokens run past the model's context of %d",
@@ -145,10 +150,13 @@ class Engine:
     def _admit(self, request: Request) -> Completion | None:
         self.scheduler.admit(request.id, self.slots_for(request))
         try:
-            return self._start(request)
+            done = self._start(request)
         except BaseException:
             self.scheduler.release(request.id)
             raise
+        if done is not None:  # finished on its first token: it never joined the batch
+            self.scheduler.release(request.id)
+        return done
 
     def _start(self, request: Request) -> Completion | None:
         live = _Live(request, new_generator(request.sampling), time.perf_counter())
@@ -247,6 +255,8 @@ class Engine:
     def _release(self, rows: list[int]) -> list[Completion]:
         stats = self.cache.stats()
         out = [self._completion(self.rows[r], None, r, stats[r]) for r in rows]
+        for row in rows:
+            self.scheduler.release(self.rows[row].request.id)
         keep = fill_gaps(len(self.rows), rows)
         self.cache.take_rows(keep)
         self.rows = [self.rows[r] for r in keep]
@@ -255,7 +265,6 @@ class Engine:
     def _completion(self, live: _Live, cache: BudgetedCache | None, row: int, stats=None) -> Completion:
         stats = stats or cache.stats()[row]
         compactions = (cache or self.cache).row_compactions[row]
-        self.scheduler.release(live.request.id)
         self.evictions_done += stats.evictions
         return Completion(
             request_id=live.request.id,

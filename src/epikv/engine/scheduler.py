@@ -25,6 +25,10 @@ class QueueFull(RuntimeError):
     """The waiting queue is at its limit (a server answers 429)."""
 
 
+class PoolTooSmall(ValueError):
+    """A request needs more cache slots than the whole KV pool holds: no wait would admit it."""
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     """kv_pool: slots all running requests may reserve together (None = unlimited); max_batch: rows
@@ -58,7 +62,7 @@ class Scheduler(Generic[T]):
         """Refuse at once what no amount of waiting would admit."""
         pool = self.limits.kv_pool
         if pool is not None and slots > pool:
-            raise ValueError(f"the request needs {slots} cache slots but the whole KV pool holds {pool}")
+            raise PoolTooSmall(f"the request needs {slots} cache slots but the whole KV pool holds {pool}")
 
     def enqueue(self, item: T, slots: int) -> None:
         """Queue an item; QueueFull when more than ``max_waiting`` items would have to wait (items
