@@ -19,26 +19,26 @@ def plain_greedy(model, ids, n):
 
 
 @pytest.mark.parametrize("name", policy_names())
-def test_no_eviction_equals_plain_cache(tiny_model, name):
+def test_no_eviction_equals_plain_cache(arch_model, name):
     n = 30
     budget = None if not policy_class(name).evicts else 10_000
-    ref = plain_greedy(tiny_model, PROMPT, n)
-    with epikv.attach(tiny_model, name, budget=budget, **policy_params(name)) as cache:
-        out = tiny_model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache)
+    ref = plain_greedy(arch_model, PROMPT, n)
+    with epikv.attach(arch_model, name, budget=budget, **policy_params(name)) as cache:
+        out = arch_model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache)
     assert torch.equal(out, ref)
     assert cache.stats()[0].evictions == 0
 
 
 @pytest.mark.parametrize("name", [n for n in policy_names() if policy_class(n).evicts])
-def test_bounded_protected_ordered_under_eviction(tiny_llama, name):
+def test_bounded_protected_ordered_under_eviction(arch_model, name):
     budget, n = 48, 120
     seen_lengths = []
-    with epikv.attach(tiny_llama, name, budget=budget, **policy_params(name)) as cache:
+    with epikv.attach(arch_model, name, budget=budget, **policy_params(name)) as cache:
         ids = PROMPT
-        logits = tiny_llama(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = arch_model(input_ids=ids, cache=cache, use_cache=True).logits
         for _ in range(n):
             token = logits[:, -1].argmax(-1, keepdim=True)
-            logits = tiny_llama(input_ids=token, cache=cache, use_cache=True).logits
+            logits = arch_model(input_ids=token, cache=cache, use_cache=True).logits
             seen_lengths.append(cache.get_seq_length())
             pos = cache.layers[0].positions[0, 0].tolist()
             assert pos == sorted(pos), "positional order lost"
