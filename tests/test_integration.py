@@ -61,9 +61,13 @@ def test_unsupported_models_are_refused():
 @pytest.mark.parametrize(
     "arch, overrides, reason",
     [
-        ("gemma3_text", {}, "interleaves sliding-window layers with global ones; the hybrid-cache design"),
+        ("gemma3_text", {}, "interleaves sliding-window layers with global ones: a window over compacted"),
         ("olmo3", {}, "three of every four layers"),
-        ("gpt_oss", {"num_local_experts": 2}, "learned attention sinks must also survive eviction"),
+        (
+            "gpt_oss",
+            {"num_local_experts": 2},
+            "learned attention sinks must also stay correct after eviction",
+        ),
         ("exaone4", {}, "interleaves sliding-window layers"),
         ("smollm3", {"pad_token_id": None}, r"has layers without RoPE \(NoPE"),
         ("deepseek_v3", {"n_routed_experts": 2, "kv_lora_rank": 8, "q_lora_rank": 8}, "multi-head latent"),

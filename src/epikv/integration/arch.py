@@ -35,24 +35,37 @@ class ArchSpec:
     q_norm: str | None = None
     # q_norm spans all heads' projection before the head split (OLMo-2), rather than each head (Qwen3)
     q_norm_whole: bool = False
+    # reasoning models people run with this model type (for `epikv policies --models`)
+    examples: str = ""
+
+    def query_path(self) -> str:
+        """The query path in words, e.g. ``input_layernorm > q_proj > q_norm (per head) > RoPE``."""
+        steps = [self.input_norm or "(no input norm)"]
+        steps.append(f"{self.q_proj}[:Hq*d]" if self.fused_qkv else self.q_proj)
+        if self.q_norm is not None:
+            steps.append(f"{self.q_norm} ({'all heads' if self.q_norm_whole else 'per head'})")
+        return " > ".join([*steps, "RoPE"])
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(),
-    "mistral": ArchSpec(),
-    "qwen2": ArchSpec(),
-    "qwen3": ArchSpec(q_norm="q_norm"),
-    "qwen3_moe": ArchSpec(q_norm="q_norm"),
-    "phi3": ArchSpec(q_proj="qkv_proj", fused_qkv=True),
-    "olmo2": ArchSpec(input_norm=None, q_norm="q_norm", q_norm_whole=True),
-    "glm4_moe": ArchSpec(q_norm="q_norm"),
-    "seed_oss": ArchSpec(),
+    "llama": ArchSpec(examples="Llama 3, DeepSeek-R1-Distill-Llama"),
+    "mistral": ArchSpec(examples="Mistral-family configs without a sliding window"),
+    "qwen2": ArchSpec(examples="DeepSeek-R1-Distill-Qwen, QwQ-32B, Qwen2.5"),
+    "qwen3": ArchSpec(q_norm="q_norm", examples="Qwen3 dense (0.6B-32B)"),
+    "qwen3_moe": ArchSpec(q_norm="q_norm", examples="Qwen3-30B-A3B, Qwen3-235B-A22B"),
+    "phi3": ArchSpec(q_proj="qkv_proj", fused_qkv=True, examples="Phi-4-reasoning, Phi-4-reasoning-plus"),
+    "olmo2": ArchSpec(input_norm=None, q_norm="q_norm", q_norm_whole=True, examples="OLMo-2"),
+    "glm4_moe": ArchSpec(q_norm="q_norm", examples="GLM-4.5, GLM-4.5-Air"),
+    "seed_oss": ArchSpec(examples="Seed-OSS-36B"),
 }
 """Partial RoPE (Phi-3's partial_rotary_factor, GLM-4.5's half-rotated heads) needs no field: the
 model's rotary tables are only as wide as the rotated part, and :func:`apply_rope` rotates that much."""
 
-_HYBRID = "the hybrid-cache design (evict only in global layers, leave windows to the model) is not built yet"
-_SLIDING = f"interleaves sliding-window layers with global ones; {_HYBRID}"
+_SLIDING = (
+    "interleaves sliding-window layers with global ones: a window over compacted slots would mask the "
+    "wrong tokens; such layers need the hybrid-cache design (evict only in global layers, leave windows "
+    "to the model), not yet built"
+)
 _MLA = (
     "uses multi-head latent attention (MLA): its cache holds one compressed latent per token, "
     "not per-head keys and values that eviction scores and keeps"
@@ -69,8 +82,11 @@ NOT_YET: dict[str, str] = {
         "all-global OLMo-3 config is not a model anyone runs)"
     ),
     "exaone4": _SLIDING,
-    "gpt_oss": f"{_SLIDING}; its learned attention sinks must also survive eviction",
-    "smollm3": f"has layers without RoPE (NoPE, one in four); {_HYBRID}",
+    "gpt_oss": f"{_SLIDING}; its learned attention sinks must also stay correct after eviction",
+    "smollm3": (
+        "has layers without RoPE (NoPE, every fourth layer): they need the hybrid-cache design "
+        "(true positions per layer kind), not yet built"
+    ),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash"), _MLA),
     **dict.fromkeys(
         "mamba mamba2 falcon_mamba falcon_h1 jamba bamba zamba zamba2 nemotron_h granitemoehybrid "
@@ -80,6 +96,16 @@ NOT_YET: dict[str, str] = {
     ),
 }
 """Model types refused with the reason (transformers 5.24 has all of them); others get the generic line."""
+
+PROVEN = (
+    "full == transformers' own cache, token for token (every policy, nothing evicted)",
+    "every evicting policy: at most K + tau tokens between compactions, K after one",
+    "a request in an engine batch yields its solo tokens (full, streaming, epikv-flat, epikv, h2o)",
+    "true positions survive eviction (a kept set replayed at its positions gives the same logits)",
+    "recomputed queries == the model's own; recomputed attention rows == eager attention",
+)
+"""What the tests prove for every entry of ARCHITECTURES on a tiny random-weight model built from its
+config class (tests/conftest.py ``arch_model`` enrolls each entry; a new entry is tested as it lands)."""
 
 
 def text_config(model: nn.Module) -> Any:
