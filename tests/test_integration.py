@@ -56,6 +56,13 @@ def test_unsupported_models_are_refused():
     mistral = MistralForCausalLM(tiny_config("mistral", sliding_window=64))
     with pytest.raises(ValueError, match="sliding-window"):
         epikv.attach(mistral, "streaming", budget=32)
+    phi3_mini = random_weights(tiny_config("phi3", sliding_window=2047))  # a supported type, windowed
+    with pytest.raises(ValueError, match=r"'phi3' with sliding-window layers \(sliding_window=2047\)"):
+        epikv.attach(phi3_mini, "streaming", budget=32)
+    rescaled = random_weights(tiny_config("llama", num_hidden_layers=1))
+    rescaled.model.layers[0].self_attn.scaling = 0.125  # head_dim 16: 1/sqrt(16) would be 0.25
+    with pytest.raises(ValueError, match=r"scales queries by 0\.125, not 1/sqrt"):
+        epikv.attach(rescaled, "streaming", budget=32)
 
 
 @pytest.mark.parametrize(
