@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epikv.integration.arch import ARCHITECTURES
 from epikv.models.tiny import tiny_model as build_tiny_model
 
 # Tiny models run faster on one thread than with two threads waking per op.
@@ -25,6 +26,13 @@ def make_tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_model(request) -> torch.nn.Module:
+    return make_tiny(request.param)
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
+def arch_model(request) -> torch.nn.Module:
+    """The tiny model of every supported architecture: the tests that take it are the proof that
+    `epikv policies --models` reports for each (a new table entry is enrolled automatically)."""
     return make_tiny(request.param)
 
 

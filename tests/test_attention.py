@@ -49,8 +49,8 @@ def record(model, mode: str) -> list:
     return list(AttentionRecorder.seen)
 
 
-def test_recompute_equals_eager(tiny_model):
-    fast, eager = record(tiny_model, "recompute"), record(tiny_model, "eager")
+def test_recompute_equals_eager(arch_model):
+    fast, eager = record(arch_model, "recompute"), record(arch_model, "eager")
     assert len(fast) == len(eager) == 13
     for (rows_f, sums_f), (rows_e, sums_e) in zip(fast, eager, strict=True):
         for layer in (0, 3):

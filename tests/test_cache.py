@@ -40,23 +40,23 @@ def decode(model, cache, ids, n):
     return tokens, logits
 
 
-def test_logits_after_eviction_match_reference_with_true_positions(tiny_model):
-    with epikv.attach(tiny_model, "random", budget=24) as cache:
-        tokens, _ = decode(tiny_model, cache, PROMPT, 40)
+def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
+    with epikv.attach(arch_model, "random", budget=24) as cache:
+        tokens, _ = decode(arch_model, cache, PROMPT, 40)
         assert cache.stats()[0].evictions > 0
         kept_k = [layer.keys.clone() for layer in cache.layers]
         kept_v = [layer.values.clone() for layer in cache.layers]
         true_pos = int(cache.seen[0])
         compacted_len = cache.get_seq_length()
         nxt = torch.tensor([[tokens[-1]]])
-        ours = tiny_model(input_ids=nxt, cache=cache, use_cache=True).logits[0, -1]
+        ours = arch_model(input_ids=nxt, cache=cache, use_cache=True).logits[0, -1]
 
     def reference(position: int) -> torch.Tensor:
         ref = DynamicCache()
         for i, (k, v) in enumerate(zip(kept_k, kept_v, strict=True)):
             ref.update(k, v, i)
         pos = torch.tensor([[position]])
-        return tiny_model(input_ids=nxt, position_ids=pos, cache=ref, use_cache=True).logits[0, -1]
+        return arch_model(input_ids=nxt, position_ids=pos, cache=ref, use_cache=True).logits[0, -1]
 
     assert compacted_len < true_pos
     torch.testing.assert_close(ours, reference(true_pos), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from epikv.cli import build_parser, main
+from epikv.integration.arch import ARCHITECTURES, PROVEN
 from epikv.policies import policy_class, policy_names
 from epikv.spec import parse_policy_params
 
@@ -25,6 +26,20 @@ def test_policies_json_lists_every_policy_with_needs(capsys):
     }
     assert by_name["epikv-flat"]["defaults"]["window"] == 64
     assert by_name["streaming"]["defaults"]["n_sink"] == 4
+
+
+def test_models_lists_every_architecture_with_its_query_path_and_the_refused_with_why(capsys):
+    assert main(["policies", "--models", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    by_type = {row["model_type"]: row for row in listing["supported"]}
+    assert sorted(by_type) == sorted(ARCHITECTURES)
+    assert by_type["phi3"]["query_path"] == "input_layernorm > qkv_proj[:Hq*d] > RoPE"
+    assert by_type["olmo2"]["query_path"] == "(no input norm) > q_proj > q_norm (all heads) > RoPE"
+    assert all(row["proven"] == list(PROVEN) for row in listing["supported"])
+    refused = {row["model_type"]: row["reason"] for row in listing["not_yet"]}
+    assert "sliding-window" in refused["gemma3_text"] and "multi-head latent" in refused["deepseek_v3"]
+    assert main(["policies", "--models"]) == 0
+    assert "| `qwen3_moe` | input_layernorm > q_proj > q_norm (per head) > RoPE |" in capsys.readouterr().out
 
 
 def test_parse_params_by_field_type():

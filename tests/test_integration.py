@@ -6,14 +6,26 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, MistralForCausalLM
+from transformers import AttentionInterface, DynamicCache, GPT2Config, GPT2LMHeadModel, MistralForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import epikv
 from epikv import scoring
 from epikv.integration import active_hooks, attention_implementation, model_info, project_queries
-from epikv.models.tiny import tiny_config
+from epikv.integration.arch import check_supported, decoder_layers
+from epikv.models.tiny import random_weights, tiny_config
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70, 4]])
+RECORDED_QUERIES: dict[int, torch.Tensor] = {}
+
+
+def _record_queries(module, query, *args, **kwargs):
+    """SDPA that first keeps the query states the attention module computed (post norm and RoPE)."""
+    RECORDED_QUERIES[module.layer_idx] = query.detach().clone()
+    return sdpa_attention_forward(module, query, *args, **kwargs)
+
+
+AttentionInterface.register("epikv-record-queries", _record_queries)
 
 
 def test_hooks_removed_and_attention_untouched(tiny_model):
@@ -44,6 +56,37 @@ def test_unsupported_models_are_refused():
     mistral = MistralForCausalLM(tiny_config("mistral", sliding_window=64))
     with pytest.raises(ValueError, match="sliding-window"):
         epikv.attach(mistral, "streaming", budget=32)
+    phi3_mini = random_weights(tiny_config("phi3", sliding_window=2047))  # a supported type, windowed
+    with pytest.raises(ValueError, match=r"'phi3' with sliding-window layers \(sliding_window=2047\)"):
+        epikv.attach(phi3_mini, "streaming", budget=32)
+    rescaled = random_weights(tiny_config("llama", num_hidden_layers=1))
+    rescaled.model.layers[0].self_attn.scaling = 0.125  # head_dim 16: 1/sqrt(16) would be 0.25
+    with pytest.raises(ValueError, match=r"scales queries by 0\.125, not 1/sqrt"):
+        epikv.attach(rescaled, "streaming", budget=32)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, reason",
+    [
+        ("gemma3_text", {}, "interleaves sliding-window layers with global ones: a window over compacted"),
+        ("olmo3", {}, "three of every four layers"),
+        (
+            "gpt_oss",
+            {"num_local_experts": 2},
+            "learned attention sinks must also stay correct after eviction",
+        ),
+        ("exaone4", {}, "interleaves sliding-window layers"),
+        ("smollm3", {"pad_token_id": None}, r"has layers without RoPE \(NoPE"),
+        ("deepseek_v3", {"n_routed_experts": 2, "kv_lora_rank": 8, "q_lora_rank": 8}, "multi-head latent"),
+        ("mamba", {}, "state-space or linear-attention layers"),
+    ],
+)
+def test_known_architectures_are_refused_with_the_reason(arch, overrides, reason):
+    config = tiny_config(arch, num_hidden_layers=2, **overrides)
+    config._attn_implementation = "eager"  # gpt-oss has no SDPA path
+    model = random_weights(config)
+    with pytest.raises(ValueError, match=f"model type '{arch}' is not supported by epikv yet: it .*{reason}"):
+        epikv.attach(model, "streaming", budget=32)
 
 
 def test_band_outside_model(tiny_llama):
@@ -59,10 +102,10 @@ def test_band_outside_model(tiny_llama):
         epikv.attach(tiny_llama, "epikv", budget=64, band_a=1, band_b=2, query_layer=9)
 
 
-def test_recomputed_queries_reproduce_eager_attention(tiny_model):
+def test_recomputed_queries_reproduce_eager_attention(arch_model):
     """Seg-Q relevance from stored Band-A states equals the eager attention row of layer A+1."""
     band_a = 1
-    eager = copy.deepcopy(tiny_model)
+    eager = copy.deepcopy(arch_model)
     eager.config._attn_implementation = "eager"
     cache = DynamicCache()
     captured = {}
@@ -74,7 +117,7 @@ def test_recomputed_queries_reproduce_eager_attention(tiny_model):
     n = PROMPT.shape[1]
     last = torch.tensor([[n - 1]])
     q = project_queries(
-        tiny_model, epikv.integration.check_supported(tiny_model), band_a + 1, captured["h"][:, -1:], last
+        arch_model, epikv.integration.check_supported(arch_model), band_a + 1, captured["h"][:, -1:], last
     )
     keys = cache.layers[band_a + 1].keys
     rel = scoring.qk_relevance(q, keys, last, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool))
@@ -86,3 +129,32 @@ def test_model_info(tiny_llama):
     info = model_info(tiny_llama)
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (4, 4, 2, 16)
     assert info.identity == "tiny-llama"
+
+
+def test_recomputed_queries_are_the_models_own(arch_model):
+    """Queries recomputed from the residual entering each layer, at given (true) positions, equal the
+    query states that layer's attention computed there: projection (fused or not), query norm
+    (per head or over all heads), partial or full RoPE."""
+    model = copy.deepcopy(arch_model)
+    model.config._attn_implementation = "epikv-record-queries"
+    entering: dict[int, torch.Tensor] = {}
+    layers = decoder_layers(model)
+
+    def keep(index: int):
+        return lambda m, args, kwargs: entering.update(
+            {index: kwargs.get("hidden_states", args[0] if args else None)}
+        )
+
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    positions = torch.arange(PROMPT.shape[1])[None] + 1000  # not 0..n-1: the positions given are used
+    RECORDED_QUERIES.clear()
+    try:
+        model(input_ids=PROMPT, position_ids=positions, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    spec = check_supported(model)
+    assert sorted(RECORDED_QUERIES) == list(range(len(layers)))
+    for index in range(len(layers)):
+        ours = project_queries(model, spec, index, entering[index], positions)
+        torch.testing.assert_close(ours, RECORDED_QUERIES[index], rtol=1e-5, atol=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -14,34 +16,39 @@ from tests.conftest import policy_params
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
 
 
-def plain_greedy(model, ids, n):
-    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=DynamicCache())
+@functools.cache  # one reference per model: every policy is compared with it
+def plain_greedy(model, n):
+    return model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=DynamicCache())
 
 
 @pytest.mark.parametrize("name", policy_names())
-def test_no_eviction_equals_plain_cache(tiny_model, name):
+def test_no_eviction_equals_plain_cache(arch_model, name):
     n = 30
     budget = None if not policy_class(name).evicts else 10_000
-    ref = plain_greedy(tiny_model, PROMPT, n)
-    with epikv.attach(tiny_model, name, budget=budget, **policy_params(name)) as cache:
-        out = tiny_model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache)
+    ref = plain_greedy(arch_model, n)
+    with epikv.attach(arch_model, name, budget=budget, **policy_params(name)) as cache:
+        out = arch_model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache)
     assert torch.equal(out, ref)
     assert cache.stats()[0].evictions == 0
 
 
 @pytest.mark.parametrize("name", [n for n in policy_names() if policy_class(n).evicts])
-def test_bounded_protected_ordered_under_eviction(tiny_llama, name):
-    budget, n = 48, 120
+def test_bounded_protected_ordered_under_eviction(arch_model, name):
+    """At most K + tau tokens between compactions and K right after one. tau is capped at 4 (the
+    defaults reach 128) so that every policy compacts many times and K + tau is a tight bound."""
+    budget, n = 32, 60
+    interval = min(policy_class(name)().interval, 4)
     seen_lengths = []
-    with epikv.attach(tiny_llama, name, budget=budget, **policy_params(name)) as cache:
-        if cache.policy.first_compaction == "after_interval":  # the first compaction waits tau steps
-            n += cache.interval
+    with epikv.attach(arch_model, name, budget=budget, interval=interval, **policy_params(name)) as cache:
         ids = PROMPT
-        logits = tiny_llama(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = arch_model(input_ids=ids, cache=cache, use_cache=True).logits
         for _ in range(n):
             token = logits[:, -1].argmax(-1, keepdim=True)
-            logits = tiny_llama(input_ids=token, cache=cache, use_cache=True).logits
+            compactions = cache.compactions
+            logits = arch_model(input_ids=token, cache=cache, use_cache=True).logits
             seen_lengths.append(cache.get_seq_length())
+            if cache.compactions > compactions:
+                assert seen_lengths[-1] <= budget, "a compaction left more than K tokens"
             pos = cache.layers[0].positions[0, 0].tolist()
             assert pos == sorted(pos), "positional order lost"
             assert all(p in pos for p in range(cache.policy.n_sink)), "sink evicted"
@@ -50,8 +57,10 @@ def test_bounded_protected_ordered_under_eviction(tiny_llama, name):
         recent = cache.policy.recent_window(budget)
         seen = int(cache.seen[0])
         assert all(p in pos for p in range(seen - recent, seen)), "recent window evicted"
-    assert max(seen_lengths) <= budget + cache.interval
-    assert cache.stats()[0].peak_cache_tokens <= budget + cache.interval
+    assert cache.interval == interval
+    assert max(seen_lengths) <= budget + interval
+    assert cache.stats()[0].peak_cache_tokens <= budget + interval
+    assert cache.compactions >= 2  # the K-after-compaction check ran more than once
     assert cache.stats()[0].evictions > 0
 
 

@@ -150,10 +150,15 @@ def _summary(r: dict[str, Any]) -> str:
 def _add_policies(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("policies", help="list the eviction policies, their defaults and needs")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--models", action="store_true", help="list the model architectures instead, and what was proven"
+    )
     p.set_defaults(func=cmd_policies)
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
+    if args.models:
+        return _print_models(args.json)
     rows = [policy_class(name).describe() for name in policy_names()]
     for row in rows:
         row["aliases"] = sorted(alias for alias, target in ALIASES.items() if target == row["name"])
@@ -166,6 +171,32 @@ def cmd_policies(args: argparse.Namespace) -> int:
         defaults = ", ".join(f"{k}={v}" for k, v in row["defaults"].items())
         name = " = ".join(f"`{n}`" for n in [*row["aliases"], row["name"]])
         print(f"| {name} | {needs} | {defaults} | {row['source'] or '-'} |")
+    return 0
+
+
+def _print_models(as_json: bool) -> int:
+    from epikv.integration.arch import ARCHITECTURES, NOT_YET, PROVEN
+
+    supported = [
+        {
+            "model_type": name,
+            "query_path": spec.query_path(),
+            "examples": spec.examples,
+            "proven": list(PROVEN),
+        }
+        for name, spec in sorted(ARCHITECTURES.items())
+    ]
+    refused = [{"model_type": name, "reason": reason} for name, reason in sorted(NOT_YET.items())]
+    if as_json:
+        print(json.dumps({"supported": supported, "not_yet": refused}, indent=2))
+        return 0
+    print("| model type | query path (Seg-Q, attention baselines) | e.g. |\n|---|---|---|")
+    for row in supported:
+        print(f"| `{row['model_type']}` | {row['query_path']} | {row['examples']} |")
+    print("\nProven for each on a tiny random-weight model from its config class:")
+    print("\n".join(f"- {claim}" for claim in PROVEN))
+    print("\nNot yet (refused with the reason):")
+    print("\n".join(f"- `{row['model_type']}`: {row['reason']}" for row in refused))
     return 0
 
 

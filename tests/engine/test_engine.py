@@ -89,8 +89,8 @@ def compare(model, name: str, sampling: SamplingParams | None = None) -> None:
 
 
 @pytest.mark.parametrize("name", REQUIRED)
-def test_added_mid_generation_yields_what_it_yields_alone(tiny_model, name):
-    compare(tiny_model, name)
+def test_added_mid_generation_yields_what_it_yields_alone(arch_model, name):
+    compare(arch_model, name)
 
 
 @pytest.mark.parametrize("name", sorted(set(policy_names()) - {"full", "streaming", "epikv-flat", "h2o"}))

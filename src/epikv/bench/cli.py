@@ -126,9 +126,7 @@ def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser(
-        "bench", help="benchmarks: memory, speed, step, fidelity, loops, capacity, peer, serve"
-    )
+    bench = sub.add_parser("bench", help="benchmarks: speed, step, fidelity, loops, serve, ...")
     kinds = bench.add_subparsers(dest="bench_kind", required=True, title="benchmarks", metavar="KIND")
     for kind in KINDS:
         config_class = _kind(kind)[0]

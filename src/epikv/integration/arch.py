@@ -7,6 +7,7 @@ sibling modules of this package, nowhere else in epikv.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,17 +19,93 @@ from epikv.policies.base import ModelInfo
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Where an architecture keeps what the hooks need."""
+    """How an architecture computes a layer's queries: what Seg-Q and the attention baselines redo.
 
-    q_norm: str | None = None  # per-head query norm applied before RoPE (Qwen3)
+    Every supported architecture has full (global) RoPE attention in every layer, scaled by
+    1/sqrt(head_dim) (checked on the model); the fields say where the query path differs from Llama's.
+    """
+
+    # decoder-layer norm in front of attention (None: OLMo-2 normalises after attention instead)
+    input_norm: str | None = "input_layernorm"
+    # attention module whose output starts with the queries
+    q_proj: str = "q_proj"
+    # q_proj yields queries, keys and values side by side (Phi-3): the queries are the first Hq*d
+    fused_qkv: bool = False
+    # query norm before RoPE, used when the module has one (GLM-4.5 builds it only with use_qk_norm)
+    q_norm: str | None = None
+    # q_norm spans all heads' projection before the head split (OLMo-2), rather than each head (Qwen3)
+    q_norm_whole: bool = False
+    # reasoning models people run with this model type (for `epikv policies --models`)
+    examples: str = ""
+
+    def query_path(self) -> str:
+        """The query path in words, e.g. ``input_layernorm > q_proj > q_norm (per head) > RoPE``."""
+        steps = [self.input_norm or "(no input norm)"]
+        steps.append(f"{self.q_proj}[:Hq*d]" if self.fused_qkv else self.q_proj)
+        if self.q_norm is not None:
+            steps.append(f"{self.q_norm} ({'all heads' if self.q_norm_whole else 'per head'})")
+        return " > ".join([*steps, "RoPE"])
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(),
-    "mistral": ArchSpec(),
-    "qwen2": ArchSpec(),
-    "qwen3": ArchSpec(q_norm="q_norm"),
+    "llama": ArchSpec(examples="Llama 3, DeepSeek-R1-Distill-Llama"),
+    "mistral": ArchSpec(examples="Mistral-family configs without a sliding window"),
+    "qwen2": ArchSpec(examples="DeepSeek-R1-Distill-Qwen, QwQ-32B, Qwen2.5"),
+    "qwen3": ArchSpec(q_norm="q_norm", examples="Qwen3 dense (0.6B-32B)"),
+    "qwen3_moe": ArchSpec(q_norm="q_norm", examples="Qwen3-30B-A3B, Qwen3-235B-A22B"),
+    "phi3": ArchSpec(q_proj="qkv_proj", fused_qkv=True, examples="Phi-4-reasoning, Phi-4-reasoning-plus"),
+    "olmo2": ArchSpec(input_norm=None, q_norm="q_norm", q_norm_whole=True, examples="OLMo-2"),
+    "glm4_moe": ArchSpec(q_norm="q_norm", examples="GLM-4.5, GLM-4.5-Air"),
+    "seed_oss": ArchSpec(examples="Seed-OSS-36B"),
 }
+"""Partial RoPE (Phi-3's partial_rotary_factor, GLM-4.5's half-rotated heads) needs no field: the
+model's rotary tables are only as wide as the rotated part, and :func:`apply_rope` rotates that much."""
+
+_SLIDING = (
+    "interleaves sliding-window layers with global ones: a window over compacted slots would mask the "
+    "wrong tokens; such layers need the hybrid-cache design (evict only in global layers, leave windows "
+    "to the model), not yet built"
+)
+_MLA = (
+    "uses multi-head latent attention (MLA): its cache holds one compressed latent per token, "
+    "not per-head keys and values that eviction scores and keeps"
+)
+_RECURRENT = (
+    "has state-space or linear-attention layers: their state is a running summary, "
+    "not a cache of tokens to evict"
+)
+NOT_YET: dict[str, str] = {
+    "gemma2": _SLIDING,
+    "gemma3_text": f"{_SLIDING} (and scales queries by query_pre_attn_scalar)",
+    "olmo3": (
+        f"{_SLIDING} (three of every four layers; the model always builds the sliding mask, so an "
+        "all-global OLMo-3 config is not a model anyone runs)"
+    ),
+    "exaone4": _SLIDING,
+    "gpt_oss": f"{_SLIDING}; its learned attention sinks must also stay correct after eviction",
+    "smollm3": (
+        "has layers without RoPE (NoPE, every fourth layer): they need the hybrid-cache design "
+        "(true positions per layer kind), not yet built"
+    ),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash"), _MLA),
+    **dict.fromkeys(
+        "mamba mamba2 falcon_mamba falcon_h1 jamba bamba zamba zamba2 nemotron_h granitemoehybrid "
+        "qwen3_next lfm2 lfm2_moe recurrent_gemma rwkv xlstm minimax kimi_linear olmo_hybrid "
+        "bailing_hybrid".split(),
+        _RECURRENT,
+    ),
+}
+"""Model types refused with the reason (transformers 5.24 has all of them); others get the generic line."""
+
+PROVEN = (
+    "full == transformers' own cache, token for token (every policy, nothing evicted)",
+    "every evicting policy: at most K + tau tokens between compactions, K after one",
+    "a request in an engine batch yields its solo tokens (full, streaming, epikv-flat, epikv, h2o)",
+    "true positions survive eviction (a kept set replayed at its positions gives the same logits)",
+    "recomputed queries == the model's own; recomputed attention rows == eager attention",
+)
+"""What the tests prove for every entry of ARCHITECTURES on a tiny random-weight model built from its
+config class (tests/conftest.py ``arch_model`` enrolls each entry; a new entry is tested as it lands)."""
 
 
 def text_config(model: nn.Module) -> Any:
@@ -39,6 +116,8 @@ def check_supported(model: nn.Module) -> ArchSpec:
     """The architecture's spec, or a clear error for models the cache would get silently wrong."""
     config = text_config(model)
     model_type = getattr(config, "model_type", None)
+    if model_type in NOT_YET:
+        raise ValueError(f"model type {model_type!r} is not supported by epikv yet: it {NOT_YET[model_type]}")
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"model type {model_type!r} is not supported by epikv "
@@ -56,6 +135,13 @@ def check_supported(model: nn.Module) -> ArchSpec:
         )
     if getattr(base_model(model), "rotary_emb", None) is None:
         raise ValueError(f"model type {model_type!r} has no rotary embedding; true positions cannot be kept")
+    attn = decoder_layers(model)[0].self_attn
+    scaling = getattr(attn, "scaling", None)
+    if scaling is not None and not math.isclose(scaling, attn.head_dim**-0.5, rel_tol=1e-6):
+        raise ValueError(
+            f"model type {model_type!r} scales queries by {scaling}, not 1/sqrt(head_dim); "
+            "the recomputed attention rows would be wrong"
+        )
     return ARCHITECTURES[model_type]
 
 
@@ -89,21 +175,43 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def apply_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on queries (B, H, W, D) with the model's tables (B, W, R): the first R <= D dims of each
+    head rotate (R < D is partial RoPE: Phi-3, GLM-4.5), the rest pass; the result keeps q's dtype."""
+    cos, sin = cos[:, None], sin[:, None]
+    rotated, passed = q[..., : cos.shape[-1]], q[..., cos.shape[-1] :]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, passed], dim=-1).to(q.dtype)
+
+
+def attention_queries(
+    attn: nn.Module, spec: ArchSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The queries attention module ``attn`` computes from its input ``x`` (B, W, hidden), with
+    RoPE tables ``cos, sin`` (B, W, R): projection, the architecture's query norm, RoPE.
+    Returns (B, Hq, W, head_dim). The one owner of the query path (Seg-Q and attention capture)."""
+    q = getattr(attn, spec.q_proj)(x)
+    if spec.fused_qkv:
+        q = q[..., : attn.config.num_attention_heads * attn.head_dim]
+    norm = getattr(attn, spec.q_norm, None) if spec.q_norm is not None else None
+    if norm is not None and spec.q_norm_whole:
+        q = norm(q)
+    q = q.view(*x.shape[:2], -1, attn.head_dim)
+    if norm is not None and not spec.q_norm_whole:
+        q = norm(q)
+    return apply_rope(q.transpose(1, 2), cos, sin)
+
+
 def project_queries(
     model: nn.Module, spec: ArchSpec, layer: int, hidden: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """Queries of ``layer`` for residual states ``hidden`` (B, W, hidden) entering it, with RoPE at
-    ``positions`` (B, W): the layer's own input norm, query projection (and Qwen3's q_norm), then
-    RoPE. Returns (B, Hq, W, head_dim)."""
+    ``positions`` (B, W): the layer's own input norm (where it has one), then
+    :func:`attention_queries`. Returns (B, Hq, W, head_dim)."""
     decoder = decoder_layers(model)[layer]
     attn = decoder.self_attn
-    info = model_info(model)
     with torch.no_grad():
-        x = decoder.input_layernorm(hidden.to(attn.q_proj.weight.dtype))
-        q = attn.q_proj(x).view(*hidden.shape[:2], -1, info.head_dim)
-        if spec.q_norm is not None:
-            q = getattr(attn, spec.q_norm)(q)
-        q = q.transpose(1, 2)
+        x = hidden.to(getattr(attn, spec.q_proj).weight.dtype)
+        if spec.input_norm is not None:
+            x = getattr(decoder, spec.input_norm)(x)
         cos, sin = base_model(model).rotary_emb(x, positions)
-        cos, sin = cos[:, None], sin[:, None]
-        return q * cos + rotate_half(q) * sin
+        return attention_queries(attn, spec, x, cos, sin)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epikv.integration.arch import ArchSpec, decoder_layers, rotate_half
+from epikv.integration.arch import ArchSpec, attention_queries, decoder_layers
 
 MODES = ("recompute", "eager")
 CHUNK = 256  # query rows scored at once when recomputing (bounds memory to CHUNK x L per head)
@@ -65,11 +65,7 @@ class AttentionCapture:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
             with torch.no_grad():
-                q = module.q_proj(hidden).view(*hidden.shape[:2], -1, module.head_dim)
-                if self.spec.q_norm is not None:
-                    q = getattr(module, self.spec.q_norm)(q)
-                q = q.transpose(1, 2)
-                self._queries[index] = q * cos[:, None] + rotate_half(q) * sin[:, None]
+                self._queries[index] = attention_queries(module, self.spec, hidden, cos, sin)
 
         return hook
 

@@ -27,8 +27,19 @@ TINY_SHAPE: dict[str, Any] = dict(
 )
 """Config values every tiny model starts from (any of them can be overridden)."""
 
-# Qwen2's config enables a sliding window unless told not to, and the budgeted cache refuses one.
-_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen2": {"use_sliding_window": False}}
+_TINY_MOE: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Qwen2's config enables a sliding window unless told not to, and the budgeted cache refuses one.
+    "qwen2": {"use_sliding_window": False},
+    "mistral": {"sliding_window": None},
+    "qwen3_moe": {**_TINY_MOE, "num_experts": 4},
+    # Phi-4-mini's partial RoPE (3/4 of each head rotated); token ids inside the tiny vocabulary.
+    "phi3": {"partial_rotary_factor": 0.75, "pad_token_id": None, "eos_token_id": 2},
+    "olmo2": {"eos_token_id": 2},
+    # GLM-4.5's query/key norms; its partial RoPE (half of each head) is the config's default.
+    "glm4_moe": {**_TINY_MOE, "n_routed_experts": 4, "use_qk_norm": True},
+    "seed_oss": {"head_dim": 16},
+}
 
 
 def tiny_spec(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
