@@ -39,6 +39,8 @@ def main() -> None:
     source = runner.new_cache()
     runner.prefill(source, ids[:32].tolist())
     runner.extend(source, ids[32:-1].tolist())
+    if budget is not None and not source.row_compactions[0]:
+        source.compact()  # the same state on both sides: just after a compaction (K tokens held)
     if hasattr(source, "arena"):  # the arena: a batch is the source row appended (copied) B times
         cache = runner.new_cache()
         for _ in range(args.batch):

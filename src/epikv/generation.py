@@ -205,22 +205,26 @@ def make_generator(
     budget: int | None,
     interval: int | None = None,
     policy_params: dict[str, Any] | None = None,
+    *,
+    dtype: str = "float32",
 ) -> ChatGenerator:
     """A :class:`ChatGenerator` for the named model, policy and budget. The model is loaded once per
     process and shared by every generator made for it; the spec is resolved here, once, so a profile
     written while a run goes on cannot change its bands midway."""
     from epikv.models import load_model
 
-    model, tokenizer = _loaded(model_name, load_model)
+    model, tokenizer = _loaded(
+        (model_name, dtype), lambda: load_model(model_name, dtype=getattr(torch, dtype))
+    )
     return ChatGenerator(
         model, tokenizer, build_spec(model, policy, budget, interval=interval, params=policy_params)
     )
 
 
-_MODELS: dict[str | None, tuple[Any, Any]] = {}
+_MODELS: dict[tuple[str | None, str], tuple[Any, Any]] = {}
 
 
-def _loaded(name: str | None, loader: Callable[[str | None], tuple[Any, Any]]) -> tuple[Any, Any]:
-    if name not in _MODELS:
-        _MODELS[name] = loader(name)
-    return _MODELS[name]
+def _loaded(key: tuple[str | None, str], loader: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    if key not in _MODELS:
+        _MODELS[key] = loader()
+    return _MODELS[key]

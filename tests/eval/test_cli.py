@@ -32,7 +32,7 @@ class RecordingEngine:
         self.built: list[tuple[str, int | None, int | None, dict[str, Any]]] = []
         self.model_names: list[str | None] = []
 
-    def factory_for(self, model_name: str | None) -> RecordingEngine:
+    def factory_for(self, model_name: str | None, **_: object) -> RecordingEngine:
         self.model_names.append(model_name)
         return self
 
@@ -211,7 +211,7 @@ def test_ctrl_c_during_eval_keeps_the_results_and_says_so(
         gold = {e.problem: e.answer for e in GSM3}
         return FakeGenerator(lambda problem: boxed(gold[problem]), fail_after_calls=2)  # Ctrl-C
 
-    monkeypatch.setattr(cli, "_default_generator_factory", lambda model: engine)
+    monkeypatch.setattr(cli, "_default_generator_factory", lambda model, **_: engine)
     argv = ["eval", "--dataset", "gsm8k", "--policy", "full", "--policy", "streaming", "--budget", "64",
             "--limit", "3", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 130

@@ -28,6 +28,7 @@ from epikv.eval.records import load_run_results
 from epikv.eval.report import format_table
 from epikv.eval.runner import RunOutcome, RunPlan, check_plan, execute, plan_run
 from epikv.eval.runs import RunSummary, load_runs
+from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP, resolve_dtype
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
 from epikv.spec import budget_at_peak, parse_budget, parse_policy_params
@@ -93,6 +94,12 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--threads", default="auto", help=THREADS_HELP + " (local runs)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help=DTYPE_HELP + "; saved resolved (default float32)",
+    )
     add_ray_arguments(parser)
     parser.set_defaults(func=eval_command)
     return parser
@@ -122,6 +129,7 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
         else:
             pairs.extend((policy, budget) for budget in args.budget)
             pairs.extend((policy, budget_at_peak(policy, p, args.interval, params[policy])) for p in peaks)
+    dtype = str(resolve_dtype(args.dtype)[0]).removeprefix("torch.")
     configs = []
     for policy, budget in dict.fromkeys(pairs):
         configs.append(
@@ -143,6 +151,7 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
                 interval=args.interval,
                 policy_params=json.loads(json.dumps(params[policy])),  # saved (JSON) form: tuples as lists
                 progress=not args.no_progress,
+                dtype=dtype,
             )
         )
     return configs
@@ -161,7 +170,7 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     print(describe_selection(plans), flush=True)
     print(apply_threads(threads), flush=True)  # beside the selection: errors stay one line on stderr
     # Resolved at call time so tests can replace the module-level factory.
-    engine = engine or _default_generator_factory(args.model)
+    engine = engine or _default_generator_factory(args.model, dtype=configs[0].dtype)
     # Built only for runs that owe work, so a finished run never loads a model.
     generators = [_build(engine, p.config) if p.work else None for p in plans]
     checks = [check_plan(p, g) if g is not None else None for p, g in zip(plans, generators, strict=True)]

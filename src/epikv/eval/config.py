@@ -65,6 +65,7 @@ class EvalConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)
     system_prompt: str = PAPER_SYSTEM_PROMPT
     progress: bool = True
+    dtype: str = "float32"  # resolved (never "auto"): a resumed run keeps the precision it started with
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -75,6 +76,10 @@ class EvalConfig:
     def _check_names(self) -> None:
         if not self.dataset:
             raise ValueError("dataset must be non-empty")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be float32, bfloat16 or float16 (auto is resolved first), got {self.dtype!r}"
+            )
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.policy):
             raise ValueError(f"policy must be a plain name (letters, digits, _.+-), got {self.policy!r}")
 
@@ -126,10 +131,14 @@ def saved_form(config: EvalConfig) -> dict[str, Any]:
     return normalised
 
 
+# Fields added after runs were saved without them, with the value those runs had.
+SAVED_BEFORE = {"dtype": "float32"}
+
+
 def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Result-affecting fields whose values differ between two saved forms."""
     keys = (set(saved) | set(current)) - NON_RESULT_FIELDS
-    return sorted(key for key in keys if saved.get(key) != current.get(key))
+    return sorted(key for key in keys if saved.get(key, SAVED_BEFORE.get(key)) != current.get(key))
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], folder: Path) -> None:

@@ -68,12 +68,12 @@ GeneratorFactory = Callable[[str, "int | None"], Generator]
 EngineFactory = Callable[[str, "int | None", "int | None", dict[str, Any]], Generator]
 
 
-def engine_for_model(model_name: str | None) -> EngineFactory:
-    """The engine's :func:`~epikv.generation.make_generator` with the model bound (imported here, so
-    that argument parsing, reports and tests never load a model)."""
+def engine_for_model(model_name: str | None, dtype: str = "float32") -> EngineFactory:
+    """The engine's :func:`~epikv.generation.make_generator` with the model (in ``dtype``) bound
+    (imported here, so that argument parsing, reports and tests never load a model)."""
     from epikv.generation import make_generator
 
-    return partial(make_generator, model_name)
+    return partial(make_generator, model_name, dtype=dtype)
 
 
 def generator_factory(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:

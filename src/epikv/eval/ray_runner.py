@@ -92,7 +92,7 @@ def run_shard(
     the config's model, loaded in the task's worker. The shard's prompts are checked before it
     generates: one that cannot run fails the task before it writes, or with ``skip_unfit`` is
     recorded as skipped."""
-    factory = generator_factory(engine or engine_for_model(config.model), config)
+    factory = generator_factory(engine or engine_for_model(config.model, dtype=config.dtype), config)
     return run_eval(config, factory, skip_unfit)
 
 
