@@ -148,7 +148,7 @@ class Engine:
             cache = request.prefix.prefix(request.prefix_length)
         else:
             cache = self.runner.new_cache(request.budget)
-        logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill)
+        logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill, request.on_prompt_logits)
         live.prefill_seconds = time.perf_counter() - live.started
         if request.on_compaction is not None and cache.row_compactions[0]:
             request.on_compaction(0, kept_positions(cache, 0))
