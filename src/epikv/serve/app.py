@@ -27,6 +27,8 @@ from epikv.serve.logprobs import LogprobRecorder, TokenText, chat_logprobs, comp
 from epikv.serve.text import TextStream
 from epikv.serve.worker import EngineWorker, Job, Outcome
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM's _SAMPLING_EPS)
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -183,6 +185,8 @@ class _Routes:
             allowed = f"1..{budget}" if budget is not None else "not settable: this server keeps every token"
             raise ServeError(f"kv_budget must be {allowed}, got {request.kv_budget}", param="kv_budget")
         temperature = 1.0 if request.temperature is None else request.temperature
+        if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and NaN probabilities
+            temperature = 0.0
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = SamplingParams(temperature, 1.0 if request.top_p is None else request.top_p, seed)
         stops = frozenset() if request.ignore_eos else self.settings.eos

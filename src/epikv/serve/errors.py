@@ -10,7 +10,7 @@ class ServeError(Exception):
     """An error with its HTTP status and OpenAI error body."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+        self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.code = status, param, code

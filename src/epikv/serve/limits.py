@@ -2,10 +2,10 @@
 
 :class:`ServeLimits` holds the limits (each an ``epikv serve`` flag); :func:`read_json` reads a body
 within the size limit and parses it so that no input can reach a route as a 5xx: bad UTF-8, bad
-JSON, ``NaN`` / ``Infinity``, lone surrogates (which tokenizers cannot encode) and nesting deeper
-than the limit are 400s, checked without recursion (Python's parser raises RecursionError on a
-deep enough body, which is caught too). It knows nothing of routes or the engine, and imports no
-web stack (the command line reads its defaults).
+JSON, integers too long for Python to read, ``NaN`` / ``Infinity``, lone surrogates (which
+tokenizers cannot encode) and nesting deeper than the limit are 400s, checked without recursion
+(Python's parser raises RecursionError on a deep enough body, which is caught too). It knows
+nothing of routes or the engine, and imports no web stack (the command line reads its defaults).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ async def read_json(http: Any, limits: ServeLimits) -> Any:
         parts.append(chunk)
     try:
         value = json.loads(b"".join(parts), parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # bad JSON, bad UTF-8, an integer of more than 4,300 digits
         raise ServeError(f"malformed JSON in the request body: {err}") from None
     except RecursionError:
         raise _too_deep(limits.max_json_depth) from None

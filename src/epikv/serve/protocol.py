@@ -132,7 +132,9 @@ class CompletionRequest(_Common):
         if self.echo and self.stream:
             raise ServeError("echo is not supported with stream", param="echo", code="unsupported_parameter")
         if self.max_tokens == 0 and not self.echo:
-            raise ServeError("max_tokens 0 needs echo: true (the prompt's log-probabilities)", "max_tokens")
+            raise ServeError(
+                "max_tokens 0 needs echo: true (the prompt's log-probabilities)", param="max_tokens"
+            )
         if self.best_of not in (None, 1):
             raise ServeError("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
 
