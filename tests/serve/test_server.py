@@ -186,8 +186,9 @@ def test_admission_holds_the_pool_and_a_full_queue_is_429(serve_model, embedded_
                 while engine.waiting < 2:  # two run, two wait: the queue (max 2) is full
                     assert time.monotonic() < deadline, "the queue never filled"
                     time.sleep(0.002)
-                with pytest.raises(openai.RateLimitError, match="busy"):
+                with pytest.raises(openai.RateLimitError, match="busy") as refused:
                     chat(client, "one more", 5)
+                assert refused.value.response.headers["retry-after"] == "1"
                 replies = [f.result(timeout=120) for f in long]
             finally:
                 done.set()
