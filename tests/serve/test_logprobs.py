@@ -134,3 +134,22 @@ def test_max_tokens_zero_echoes_the_prompt_only(full, serve_model, embedded_toke
 def test_completion_refusals(full, body, param):
     response = httpx.post(f"{full.url}/v1/completions", json={"model": MODEL_NAME, **body}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_streamed_completion_logprobs_and_usage(full):
+    args = {
+        "prompt": "Once upon a time",
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    whole = post(full, "completions", **args)["choices"][0]
+    raw = httpx.post(f"{full.url}/v1/completions", json={"model": MODEL_NAME, "stream": True,
+                     "stream_options": {"include_usage": True}, **args}, timeout=60)  # fmt: skip
+    chunks = [json.loads(e[6:]) for e in raw.text.split("\n\n") if e.startswith("data: {")]
+    pieces = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(p["text"] for p in pieces) == whole["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        assert [x for p in pieces for x in p["logprobs"][key]] == whole["logprobs"][key]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10

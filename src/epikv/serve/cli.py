@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from epikv.serve.limits import ServeLimits
+from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
 from epikv.threads import THREADS_HELP, apply_threads
 
@@ -75,11 +75,7 @@ def add_access_arguments(p: argparse.ArgumentParser) -> None:
 def serve_limits(args: argparse.Namespace) -> tuple[ServeLimits, Any]:
     from epikv.serve.gate import Access
 
-    timeout = args.request_timeout or None
-    limits = ServeLimits(
-        args.max_body_bytes, args.max_json_depth, args.max_prompt_tokens, timeout, args.retry_after
-    )
-    return limits, Access(args.api_key or None, args.protect_metrics)
+    return limits_from_args(args), Access(args.api_key or None, args.protect_metrics)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

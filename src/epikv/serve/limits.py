@@ -39,6 +39,14 @@ class ServeLimits:
             raise ValueError(f"request_timeout_s must be positive (or None), got {self.request_timeout_s}")
 
 
+def limits_from_args(args: Any) -> ServeLimits:
+    """The limits of ``epikv serve``'s flags (``--request-timeout 0``: no deadline)."""
+    timeout = args.request_timeout or None
+    return ServeLimits(
+        args.max_body_bytes, args.max_json_depth, args.max_prompt_tokens, timeout, args.retry_after
+    )
+
+
 async def read_json(http: Any, limits: ServeLimits) -> Any:
     """The request's body parsed, or a ServeError: 413 over the size limit (counted as it arrives,
     so a body without a Content-Length is cut off too), 400 for anything :func:`check_json` refuses."""
