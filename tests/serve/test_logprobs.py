@@ -153,3 +153,19 @@ def test_streamed_completion_logprobs_and_usage(full):
     for key in ("tokens", "token_logprobs", "top_logprobs"):
         assert [x for p in pieces for x in p["logprobs"][key]] == whole["logprobs"][key]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+def test_echo_without_logprobs_runs_no_prompt_projection(full, monkeypatch):
+    heard = []
+    monkeypatch.setattr(full.worker.engine.runner, "prefill", _spy(full.worker.engine.runner.prefill, heard))
+    body = post(full, "completions", prompt=PROMPT, max_tokens=0, echo=True)
+    assert body["choices"][0]["text"] == PROMPT and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 0 and heard == [False]
+
+
+def _spy(prefill, heard: list):
+    def spied(cache, ids, on_progress=None, on_logits=None):
+        heard.append(on_logits is not None)
+        return prefill(cache, ids, on_progress, on_logits)
+
+    return spied

@@ -119,7 +119,10 @@ class _Routes:
         self._check_model(request.model)
         prompt = request.prompt_text_or_ids()
         ids = self._check_ids(prompt) if isinstance(prompt, list) else self._encode(prompt, "prompt")
-        job = await self._submit(request, ids, "prompt", request.logprobs, echo=request.echo)
+        top = request.logprobs
+        job = await self._submit(
+            request, ids, "prompt", top, prompt_logprobs=request.echo and top is not None
+        )
         rid = p.new_id("cmpl")
         if request.stream:
             return _sse(self._completion_stream(job, request, rid, record_of(http.state)))
@@ -129,10 +132,11 @@ class _Routes:
             text, records = "", []
             outcome.completion.token_ids = []
         if request.echo:
-            echoed = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-            text, records = echoed + text, [*job.recorder.prompt, *records]
-        top = request.logprobs
-        logprobs = completion_logprobs(records, self.token_text, 0, ids) if top is not None else None
+            text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) + text
+        logprobs = None
+        if job.recorder is not None:
+            records = [*job.recorder.prompt, *records] if request.echo else records
+            logprobs = completion_logprobs(records, self.token_text, 0, ids)
         used = _usage(outcome, record_of(http.state))
         return p.completion_response(rid, request.model, text, outcome.finish_reason, used, logprobs)
 
@@ -166,10 +170,11 @@ class _Routes:
         return list(ids)
 
     async def _submit(
-        self, request: Any, ids: list[int], prompt_param: str, top: int | None, echo: bool = False
+        self, request: Any, ids: list[int], prompt_param: str, top: int | None, prompt_logprobs: bool = False
     ) -> Job:
         """Check the request against the limits and the engine (400 naming the parameter) and queue
-        it (429 with Retry-After when full). ``top``: log-probabilities asked for (None: none)."""
+        it (429 with Retry-After when full). ``top``: log-probabilities asked for (None: none), of
+        the prompt's tokens too with ``prompt_logprobs``."""
         if not ids:
             raise ServeError("the prompt encodes to no tokens", param=prompt_param)
         longest = self.limits.max_prompt_tokens
@@ -178,8 +183,9 @@ class _Routes:
             raise ServeError(message, param=prompt_param, code="prompt_too_long")
         limit = self.settings.max_tokens
         max_tokens = request.requested_tokens if request.requested_tokens is not None else limit
-        if not (1 if not echo else 0) <= max_tokens <= limit:
-            raise ServeError(f"max_tokens must be in 1..{limit}, got {max_tokens}", param="max_tokens")
+        lowest = 0 if getattr(request, "echo", False) else 1  # 0: only the echoed prompt
+        if not lowest <= max_tokens <= limit:
+            raise ServeError(f"max_tokens must be in {lowest}..{limit}, got {max_tokens}", param="max_tokens")
         budget = self.worker.engine.spec.budget
         if request.kv_budget is not None and (budget is None or not 1 <= request.kv_budget <= budget):
             allowed = f"1..{budget}" if budget is not None else "not settable: this server keeps every token"
@@ -199,10 +205,10 @@ class _Routes:
                 str(err), param="max_tokens" if "KV pool" in str(err) else prompt_param
             ) from None
         recorder = None
-        if top is not None or echo:
-            recorder = LogprobRecorder(top or 0, ids if echo else None)
+        if top is not None:
+            recorder = LogprobRecorder(top, ids if prompt_logprobs else None)
             engine_request.on_logits = recorder.on_logits
-            if echo:
+            if prompt_logprobs:
                 engine_request.on_prompt_logits = recorder.on_prompt_logits
         text = TextStream(self.tokenizer, ids, request.stop)
         loop = asyncio.get_running_loop()
