@@ -12,6 +12,7 @@ It knows nothing of the engine.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -121,6 +122,9 @@ class Gate:
                 record.outcome = refusal.code
                 response = JSONResponse(refusal.body(), refusal.status, headers=refusal.headers)
                 await response(scope, receive, tagged)
+        except asyncio.CancelledError:  # the connection went away under the app
+            record.outcome = record.outcome or "left"
+            raise
         except BaseException:
             record.status = record.status or 500
             raise
