@@ -30,6 +30,7 @@ from typing import Any
 
 from epikv.bench import io
 from epikv.bench.serve_clients import closed_loop
+from epikv.bench.serve_soak import plot_soak, run_soak, soak_arguments
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,7 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     logs go to a temporary folder, quoted in the error if one fails and removed after a success)."""
     reporter = reporter or io.Reporter()
     if config.soak_s:
-        from epikv.bench.serve_soak import run_soak
-
-        return io.make_document("serve", config, run_soak(config, reporter), specs=reporter.specs)
+        return io.make_document("serve", config, soak(config, reporter), specs=reporter.specs)
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-serve-"))
     prompts = io.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
     load = [os.getloadavg()[0]]
@@ -249,6 +248,20 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     results["targets"] = serve_targets(results, config)
     shutil.rmtree(folder, ignore_errors=True)
     return io.make_document("serve", config, results, specs=reporter.specs)
+
+
+def soak(config: ServeBenchConfig, reporter: io.Reporter) -> dict[str, Any]:
+    """The soak (:mod:`epikv.bench.serve_soak`) against one server of the first policy."""
+    folder = Path(tempfile.mkdtemp(prefix="epikv-bench-soak-"))
+    server = start_server(config, config.policies[0], None, folder, soak_arguments(config.soak_rows))
+    try:
+        wait_ready([server])
+        results = run_soak(config, reporter, server.url, server.process)
+    finally:
+        stop_servers([server])
+    results["soak"]["traceback_in_server_log"] = "Traceback" in server.log.read_text()
+    shutil.rmtree(folder, ignore_errors=True)
+    return results
 
 
 def sweep(
@@ -321,8 +334,6 @@ def plot_serve(json_path: str | os.PathLike[str], png: str | os.PathLike[str] | 
     data = io.read_result(json_path, "serve")
     results, cfg = data["results"], data["config"]
     if "soak" in results:
-        from epikv.bench.serve_soak import plot_soak
-
         return plot_soak(results, Path(png or io.png_path(json_path)))
     figure, axes = io.new_figure(width=13.0, height=4.0, ncols=3)
     for index, (policy, levels) in enumerate(results["levels"].items()):

@@ -8,7 +8,8 @@ leaves after a few chunks, one in seven sends a malformed body. Every client end
 body refused, as it should be), ``5xx``, or ``lost`` (anything else: a connection error, a timeout,
 a stream that ended without its answer, a malformed body that was not refused). After each burst a
 one-token probe refreshes the gauges, which must read zero, and the server's resident memory is
-sampled. Targets: 0 lost, 0 5xx, RSS flat after the first burst. Nothing is asserted here.
+sampled. Targets: 0 lost, 0 5xx, RSS flat after the first burst. Nothing is asserted here, and no
+server is started here (:func:`epikv.bench.serve.soak` starts it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -125,53 +125,41 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def run_soak(config: Any, reporter: io.Reporter) -> dict[str, Any]:
-    """The soak (see the module docstring) against a server for ``config.policies[0]``."""
-    from epikv.bench.serve import Server, start_server, stop_servers, wait_ready
-
-    folder = Path(tempfile.mkdtemp(prefix="epikv-bench-soak-"))
-    rows, clients = config.soak_rows, 2 * config.soak_rows
-    server: Server = start_server(config, config.policies[0], None, folder, extra=soak_arguments(rows))
+def run_soak(config: Any, reporter: io.Reporter, url: str, process: Any) -> dict[str, Any]:
+    """Bursts against the server at ``url`` (its ``process`` for RSS) until ``config.soak_s`` is up."""
+    clients = 2 * config.soak_rows
     prompts = io.load_prompts(config.prompt_source, 32, 0)
     totals, bursts = dict.fromkeys(OUTCOMES, 0), []
     load = [os.getloadavg()[0]]
-    try:
-        wait_ready([server])
-        started = time.monotonic()
-        bar = reporter.bar(int(config.soak_s), "serve soak", unit="s")
-        while time.monotonic() - started < config.soak_s:
-            counts = asyncio.run(
-                burst(server.url, prompts, clients, config.max_tokens, len(bursts) * clients)
-            )
-            gauges = asyncio.run(gauges_after_probe(server.url))
-            elapsed = time.monotonic() - started
-            bursts.append({"t_s": round(elapsed, 1), **counts, "rss_mb": rss_mb(server.process.pid),
-                           "gauges": gauges})  # fmt: skip
-            for key in OUTCOMES:
-                totals[key] += counts[key]
-            load.append(os.getloadavg()[0])
-            bar.update(min(int(elapsed), int(config.soak_s)) - bar.n)
-        bar.close()
-        alive = server.process.poll() is None
-    finally:
-        stop_servers([server])
-    log = server.log.read_text()
-    return soak_results(config, bursts, totals, load, alive, "Traceback" in log)
+    started = time.monotonic()
+    bar = reporter.bar(int(config.soak_s), "serve soak", unit="s")
+    while time.monotonic() - started < config.soak_s:
+        counts = asyncio.run(burst(url, prompts, clients, config.max_tokens, len(bursts) * clients))
+        gauges = asyncio.run(gauges_after_probe(url))
+        elapsed = time.monotonic() - started
+        bursts.append({"t_s": round(elapsed, 1), **counts, "rss_mb": rss_mb(process.pid), "gauges": gauges})
+        for key in OUTCOMES:
+            totals[key] += counts[key]
+        load.append(os.getloadavg()[0])
+        bar.update(min(int(elapsed), int(config.soak_s)) - bar.n)
+    bar.close()
+    return soak_results(config, bursts, totals, load, process.poll() is None)
 
 
 def soak_arguments(rows: int) -> list[str]:
     return ["--max-batch", str(rows), "--max-waiting", str(max(1, rows // 2)), "--no-access-log"]
 
 
-def soak_results(config: Any, bursts: list[dict], totals: dict[str, int], load: list[float], alive: bool,
-                 traceback: bool) -> dict[str, Any]:  # fmt: skip
+def soak_results(
+    config: Any, bursts: list[dict], totals: dict[str, int], load: list[float], alive: bool
+) -> dict[str, Any]:
     rss = [b["rss_mb"] for b in bursts if b["rss_mb"] is not None]
     growth = rss[-1] - rss[0] if len(rss) > 1 else 0.0
     gauges_zero = all(all(v == 0 for v in b["gauges"].values()) for b in bursts)
     soak = {"seconds": config.soak_s, "rows": config.soak_rows, "clients_per_burst": 2 * config.soak_rows,
             "bursts": bursts, "totals": totals, "rss_growth_after_first_burst_mb": growth,
             "gauges_zero_after_every_burst": gauges_zero, "server_alive": alive,
-            "traceback_in_server_log": traceback, "load_average": load}  # fmt: skip
+            "load_average": load}  # fmt: skip
     soak["targets"] = {"lost==0": totals["lost"] == 0, "5xx==0": totals["5xx"] == 0,
                        "rss_growth_after_first_burst_mb": growth}  # fmt: skip
     return {"soak": soak}
