@@ -35,7 +35,8 @@ class Live:
     def client(self, **kwargs: Any) -> Any:
         from openai import OpenAI
 
-        return OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60, **kwargs)
+        kwargs = {"api_key": "none", "max_retries": 0, "timeout": 60, **kwargs}
+        return OpenAI(base_url=f"{self.url}/v1", **kwargs)
 
 
 def free_port() -> int:
@@ -45,13 +46,19 @@ def free_port() -> int:
 
 
 def start(
-    model: Any, tokenizer: Any, spec: Any, limits: SchedulerLimits | None, max_tokens: int = 256
+    model: Any,
+    tokenizer: Any,
+    spec: Any,
+    limits: SchedulerLimits | None,
+    max_tokens: int = 256,
+    **http: Any,
 ) -> Live:
+    """``http``: build_app's serve_limits and access."""
     import uvicorn
 
     from epikv.serve import build_app
 
-    app = build_app(model, tokenizer, spec, limits, MODEL_NAME, max_tokens)
+    app = build_app(model, tokenizer, spec, limits, MODEL_NAME, max_tokens, **http)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -111,7 +111,8 @@ def hi(**extra):
         (hi(max_tokens=10**6), 400, "max_tokens"),
         (hi(model="gpt-4"), 404, "model"),
         (hi(n=2), 400, "n"),
-        (hi(logprobs=True), 400, "logprobs"),
+        (hi(top_logprobs=2), 400, "top_logprobs"),
+        (hi(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
         (hi(kv_budget=65), 400, "kv_budget"),
         (hi(messages=[{"role": "user", "content": "word " * 80}]), 400, "messages"),
         (hi(messages=[]), 400, "messages"),
@@ -185,8 +186,9 @@ def test_admission_holds_the_pool_and_a_full_queue_is_429(serve_model, embedded_
                 while engine.waiting < 2:  # two run, two wait: the queue (max 2) is full
                     assert time.monotonic() < deadline, "the queue never filled"
                     time.sleep(0.002)
-                with pytest.raises(openai.RateLimitError, match="busy"):
+                with pytest.raises(openai.RateLimitError, match="busy") as refused:
                     chat(client, "one more", 5)
+                assert refused.value.response.headers["retry-after"] == "1"
                 replies = [f.result(timeout=120) for f in long]
             finally:
                 done.set()

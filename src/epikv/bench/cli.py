@@ -111,6 +111,12 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         "capacity run: KV pool = this many full-cache requests (0: skip)",
     ),
     "--capacity-waves": ("capacity_waves", int, "capacity run: requests = waves x what the pool admits"),
+    "--soak": (
+        "soak_s",
+        float,
+        "serve: bursts at twice --soak-rows for this many seconds, instead of the sweep",
+    ),
+    "--soak-rows": ("soak_rows", int, "serve soak: requests the server runs at once (--max-batch)"),
 }
 _SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
 

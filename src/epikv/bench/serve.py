@@ -30,6 +30,7 @@ from typing import Any
 
 from epikv.bench import io
 from epikv.bench.serve_clients import closed_loop
+from epikv.bench.serve_soak import plot_soak, run_soak, soak_arguments
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,12 @@ class ServeBenchConfig:
     prompt_source: str = "gsm8k"
     threads: int | None = 2
     timeout_s: float = 7200.0
+    soak_s: float = 0.0  # > 0: the soak instead of the sweep (epikv.bench.serve_soak)
+    soak_rows: int = 8
 
     def __post_init__(self) -> None:
+        if self.soak_s < 0 or self.soak_rows < 1:
+            raise ValueError(f"soak_s must be >= 0 and soak_rows >= 1, got {self.soak_s}, {self.soak_rows}")
         if not self.policies or not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("need some policies and concurrency levels >= 1")
         if self.max_tokens < 2 or self.budget < 1 or self.rounds < 1 or self.capacity_waves < 1:
@@ -98,7 +103,9 @@ def _free_port() -> int:
 SERVE_LINE = "epikv serve: "  # how epikv.serve.cli starts its log line with the spec
 
 
-def start_server(config: ServeBenchConfig, policy: str, kv_pool: int | None, folder: Path) -> Server:
+def start_server(
+    config: ServeBenchConfig, policy: str, kv_pool: int | None, folder: Path, extra: list[str] | None = None
+) -> Server:
     port = _free_port()
     argv = [sys.executable, "-m", "epikv.cli", "serve", "--policy", policy, "--budget", str(config.budget)]
     argv += ["--port", str(port), "--max-tokens", str(config.max_tokens), "--max-waiting", "1024"]
@@ -109,6 +116,7 @@ def start_server(config: ServeBenchConfig, policy: str, kv_pool: int | None, fol
         argv += ["--kv-pool", str(kv_pool)]
     if config.threads is not None:
         argv += ["--threads", str(config.threads)]
+    argv += extra or []
     log = folder / f"server-{policy}-{port}.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads or os.cpu_count())}
     process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
@@ -206,6 +214,8 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     """Sweep concurrency for every policy, then the capacity run; returns the document (the servers'
     logs go to a temporary folder, quoted in the error if one fails and removed after a success)."""
     reporter = reporter or io.Reporter()
+    if config.soak_s:
+        return io.make_document("serve", config, soak(config, reporter), specs=reporter.specs)
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-serve-"))
     prompts = io.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
     load = [os.getloadavg()[0]]
@@ -238,6 +248,20 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     results["targets"] = serve_targets(results, config)
     shutil.rmtree(folder, ignore_errors=True)
     return io.make_document("serve", config, results, specs=reporter.specs)
+
+
+def soak(config: ServeBenchConfig, reporter: io.Reporter) -> dict[str, Any]:
+    """The soak (:mod:`epikv.bench.serve_soak`) against one server of the first policy."""
+    folder = Path(tempfile.mkdtemp(prefix="epikv-bench-soak-"))
+    server = start_server(config, config.policies[0], None, folder, soak_arguments(config.soak_rows))
+    try:
+        wait_ready([server])
+        results = run_soak(config, reporter, server.url, server.process)
+    finally:
+        stop_servers([server])
+    results["soak"]["traceback_in_server_log"] = "Traceback" in server.log.read_text()
+    shutil.rmtree(folder, ignore_errors=True)
+    return results
 
 
 def sweep(
@@ -309,6 +333,8 @@ def plot_serve(json_path: str | os.PathLike[str], png: str | os.PathLike[str] | 
     """Tokens/s and p99 inter-token latency against concurrency (left, middle); capacity (right)."""
     data = io.read_result(json_path, "serve")
     results, cfg = data["results"], data["config"]
+    if "soak" in results:
+        return plot_soak(results, Path(png or io.png_path(json_path)))
     figure, axes = io.new_figure(width=13.0, height=4.0, ncols=3)
     for index, (policy, levels) in enumerate(results["levels"].items()):
         xs = sorted(int(c) for c in levels)

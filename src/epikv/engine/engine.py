@@ -164,7 +164,7 @@ class Engine:
         cache = self.cache.row_cache(request.budget, self.slots_for(request), request.prompt_tokens)
         if request.prefix is not None:
             request.prefix.copy_prefix(request.prefix_length, cache)
-        logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill)
+        logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill, request.on_prompt_logits)
         live.prefill_seconds = time.perf_counter() - live.started
         if request.on_compaction is not None and cache.row_compactions[0]:
             request.on_compaction(0, kept_positions(cache, 0))

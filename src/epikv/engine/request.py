@@ -21,6 +21,9 @@ TokenCallback = Callable[[int], "bool | None"]
 """Called with each chosen token id; returning True stops the request (finish reason ``stop``)."""
 LogitsCallback = Callable[[int, torch.Tensor, bool], None]
 """Called before each token is chosen with (index, logits (V,), whether the cache had evicted)."""
+PromptLogitsCallback = Callable[[int, torch.Tensor], None]
+"""Called during the prefill with (start, logits (q, V)) of prompt positions start..start+q-1 (one
+call per forward of a chunked prefill); position i's logits predict prompt token i + 1."""
 PrefillCallback = Callable[[int, int], None]
 """Called after each chunk of a prompt too long for one forward with (tokens done, prompt tokens)."""
 CompactionCallback = Callable[[int, torch.Tensor], None]
@@ -58,6 +61,8 @@ class Request:
     EOS). forced: tokens fed instead of chosen ones (teacher forcing); the model's logits still reach
     ``on_logits``. on_prefill: progress of a long prompt's prefill (see ``PrefillCallback``).
     on_compaction: observes what the cache kept (for studies; costs nothing when None).
+    on_prompt_logits: hears every prompt position's logits from the prefill's own forwards (echoed
+    prompt log-probabilities; projects every position onto the vocabulary, so only when set).
     budget: this request's own K, at most the spec's (None = the spec's). prefix: a cache (batch 1,
     nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
     """
@@ -72,6 +77,7 @@ class Request:
     on_logits: LogitsCallback | None = None
     on_prefill: PrefillCallback | None = None
     on_compaction: CompactionCallback | None = None
+    on_prompt_logits: PromptLogitsCallback | None = None
     prefix: Any = None
     prefix_length: int = 0
     id: int = field(default_factory=lambda: next(_ids))

@@ -51,13 +51,18 @@ class Runner:
 
     @torch.no_grad()
     def prefill(
-        self, cache: BudgetedCache, ids: Sequence[int], on_progress: ProgressCallback | None = None
+        self,
+        cache: BudgetedCache,
+        ids: Sequence[int],
+        on_progress: ProgressCallback | None = None,
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Run ``ids`` (one sequence) into ``cache``; the logits of the last position, (V,).
 
         A prompt longer than ``prefill_chunk`` runs in chunks that the cache and the policies see as
         one prefill (no compaction in between), giving what one forward gives; ``on_progress`` hears
-        after each chunk. The rest of a prompt after a shared prefix extends the prefix's cache."""
+        after each chunk. The rest of a prompt after a shared prefix extends the prefix's cache.
+        ``on_logits`` hears (start, logits (q, V)) of every position of each chunk (logits_to_keep=0)."""
         ids = list(ids)
         pieces = prefill_pieces(len(ids), self.prefill_chunk)
         extends = cache.started  # a prefix (full cache, no policy state): plain extension steps
@@ -65,7 +70,10 @@ class Runner:
             for start, end in pieces:
                 cache.prompt_follows = not extends and end < len(ids)
                 input_ids = torch.tensor([ids[start:end]], dtype=torch.long, device=self.device)
-                out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+                keep = 0 if on_logits is not None else 1
+                out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep)
+                if on_logits is not None:
+                    on_logits(start, out.logits[0])
                 if on_progress is not None and len(pieces) > 1:
                     on_progress(end, len(ids))
         return out.logits[0, -1]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from epikv.serve.app import ServeSettings, create_app
+from epikv.serve.gate import Access
+from epikv.serve.limits import ServeLimits
 
 
 def build_app(
@@ -15,9 +17,12 @@ def build_app(
     limits: Any = None,
     model_name: str = "epikv",
     max_tokens: int = 2048,
+    serve_limits: ServeLimits | None = None,
+    access: Access | None = None,
 ) -> Any:
     """A FastAPI app serving ``model`` under ``spec`` (see :class:`epikv.spec.CacheSpec`) with
-    :class:`epikv.engine.SchedulerLimits`; the engine thread starts with the app."""
+    :class:`epikv.engine.SchedulerLimits`, the HTTP :class:`ServeLimits` and :class:`Access` (API
+    key); the engine thread starts with the app."""
     from epikv.engine import Engine
     from epikv.generation import eos_ids
     from epikv.serve.metrics import ServerMetrics
@@ -25,8 +30,12 @@ def build_app(
 
     engine = Engine(model, spec, limits)
     worker = EngineWorker(engine, tokenizer, ServerMetrics(engine.scheduler.limits.kv_pool))
-    settings = ServeSettings(model_name, max_tokens, frozenset(eos_ids(model, tokenizer)))
+    vocab = model.get_input_embeddings().num_embeddings
+    eos = frozenset(eos_ids(model, tokenizer))
+    settings = ServeSettings(
+        model_name, max_tokens, eos, vocab, serve_limits or ServeLimits(), access or Access()
+    )
     return create_app(worker, tokenizer, settings)
 
 
-__all__ = ["ServeSettings", "build_app", "create_app"]
+__all__ = ["Access", "ServeLimits", "ServeSettings", "build_app", "create_app"]

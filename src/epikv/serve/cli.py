@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
+from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
 from epikv.threads import THREADS_HELP, apply_threads
 
 log = logging.getLogger(__name__)
+API_KEY_ENV = "EPIKV_API_KEY"
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -35,8 +38,44 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--drain-seconds", type=float, default=5.0, help="on SIGTERM, wait this long, then cancel")
+    add_access_arguments(p)
     add_ray_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """The key, the limits and the access log (docs/serving.md, "Keys and limits")."""
+    defaults = ServeLimits()
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, else open)",
+    )
+    p.add_argument("--protect-metrics", action="store_true", help="/metrics requires the key too")
+    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="larger bodies: 413")
+    p.add_argument(
+        "--max-json-depth", type=int, default=defaults.max_json_depth, help="deeper JSON nesting: 400"
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longer prompts: 400 (default: the model's context)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=defaults.request_timeout_s,
+        help="seconds after which a request is stopped, its row freed, and it ends with 408 (0: none)",
+    )
+    p.add_argument("--retry-after", type=int, default=defaults.retry_after_s, help="Retry-After of a 429 (s)")
+    p.add_argument("--no-access-log", action="store_true", help="no JSON access-log line per request")
+
+
+def serve_limits(args: argparse.Namespace) -> tuple[ServeLimits, Any]:
+    from epikv.serve.gate import Access
+
+    return limits_from_args(args), Access(args.api_key or None, args.protect_metrics)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -57,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from epikv.spec import parse_budget, parse_policy_params
 
     parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
+    http_limits, access = serve_limits(args)
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
     threads = apply_threads(args.threads)
@@ -65,10 +105,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param
     )
     name = args.served_model_name or model_identity(model)
-    app = build_app(model, tokenizer, spec, limits, name, args.max_tokens)
+    app = build_app(model, tokenizer, spec, limits, name, args.max_tokens, http_limits, access)
+    if not args.no_access_log:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access_log = logging.getLogger("epikv.serve.access")  # epikv.serve.gate.ACCESS_LOG
+        access_log.addHandler(handler)
+        access_log.setLevel(logging.INFO)
+        access_log.propagate = False
+    key = "an API key" if access.api_key else "no API key"
     log.warning(
-        "epikv serve: %s, model %s, %s, %s, on http://%s:%d",
-        *(spec.describe(), name, limits, threads, args.host, args.port),
+        "epikv serve: %s, model %s, %s, %s, %s, on http://%s:%d",
+        *(spec.describe(), name, limits, threads, key, args.host, args.port),
     )
     drain = args.drain_seconds
 

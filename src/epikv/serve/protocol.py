@@ -14,20 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from epikv.serve.errors import ServeError
 
-class ServeError(Exception):
-    """An error with its HTTP status and OpenAI error body."""
-
-    def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-        kinds = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
-        self.type = kinds.get(status, "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+MAX_LOGPROBS = 20  # top_logprobs / logprobs a request may ask for (vLLM's default limit)
 
 
 class _Common(BaseModel):
@@ -40,7 +29,7 @@ class _Common(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator takes
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -72,6 +61,13 @@ class _Common(BaseModel):
             if bad:
                 raise ServeError(message, param=param, code="unsupported_parameter")
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and not isinstance(value.get("include_usage", False), bool):
+            raise ValueError("include_usage must be a boolean")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -100,14 +96,14 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise ServeError("logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServeError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise ServeError("tools are not supported", param="tools", code="unsupported_parameter")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -123,23 +119,28 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for param, bad in (("logprobs", self.logprobs), ("echo", self.echo), ("suffix", self.suffix)):
-            if bad:
-                raise ServeError(f"{param} is not supported", param=param, code="unsupported_parameter")
+        if self.suffix:
+            raise ServeError("suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.echo and self.stream:
+            raise ServeError("echo is not supported with stream", param="echo", code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise ServeError(
+                "max_tokens 0 needs echo: true (the prompt's log-probabilities)", param="max_tokens"
+            )
         if self.best_of not in (None, 1):
             raise ServeError("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
 
     def prompt_text_or_ids(self) -> str | list[int]:
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) != 1:
                 raise ServeError("one prompt per request is supported", param="prompt")
             prompt = prompt[0]
@@ -186,12 +187,14 @@ def usage(
     return out
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, used: dict[str, Any]) -> dict[str, Any]:
+def chat_response(
+    rid: str, model: str, text: str, finish: str, used: dict[str, Any], logprobs: Any = None
+) -> dict[str, Any]:
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
         "finish_reason": finish,
-        "logprobs": None,
+        "logprobs": logprobs,
     }
     return {
         "id": rid,
@@ -204,10 +207,15 @@ def chat_response(rid: str, model: str, text: str, finish: str, used: dict[str, 
 
 
 def chat_chunk(
-    rid: str, model: str, delta: dict[str, Any] | None, finish: str | None = None, used: Any = None
-):
+    rid: str,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish: str | None = None,
+    used: Any = None,
+    logprobs: Any = None,
+) -> dict[str, Any]:
     choices = (
-        [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     )
     chunk: dict[str, Any] = {
         "id": rid,
@@ -222,7 +230,7 @@ def chat_chunk(
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish: str | None, used: Any = None
+    rid: str, model: str, text: str, finish: str | None, used: Any = None, logprobs: Any = None
 ) -> dict[str, Any]:
     """A whole ``text_completion`` (or one streamed chunk of it: ``finish`` None, ``used`` None)."""
     body: dict[str, Any] = {
@@ -230,7 +238,7 @@ def completion_response(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
     }
     if used is not None:
         body["usage"] = used

@@ -13,10 +13,11 @@ import argparse
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from epikv.cluster import connected, gpus_or_default, import_ray, import_serve
+from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.threads import parse_threads
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,18 @@ class ReplicaSettings:
     max_waiting: int = 64
     max_tokens: int = 2048
     threads: int | None = None
+    serve_limits: ServeLimits = field(default_factory=ServeLimits)
+    api_key: str | None = None  # travels to the replicas pickled in the deployment's arguments
+    protect_metrics: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplicaSettings:
-        names = [name for name in cls.__dataclass_fields__ if name not in ("params", "threads")]
+        own = ("params", "threads", "serve_limits")
+        names = [name for name in cls.__dataclass_fields__ if name not in own]
         # --threads auto: a replica keeps the threads Ray starts it with (set --threads to choose)
         threads = parse_threads(args.threads)
-        return cls(params=tuple(args.param), threads=threads, **{name: getattr(args, name) for name in names})
+        fields = {name: getattr(args, name) for name in names}
+        return cls(params=tuple(args.param), threads=threads, serve_limits=limits_from_args(args), **fields)
 
     def budget_tokens(self) -> int | None:
         """The budget as the engine takes it; raises ValueError for a bad budget or policy parameter,
@@ -107,7 +113,7 @@ def build_replica_app(settings: ReplicaSettings, replica: str) -> Any:
     from epikv.engine import SchedulerLimits
     from epikv.integration import build_spec
     from epikv.models import load_model, model_identity
-    from epikv.serve import build_app
+    from epikv.serve import Access, build_app
 
     budget = settings.budget_tokens()
     if settings.threads is not None:
@@ -119,7 +125,8 @@ def build_replica_app(settings: ReplicaSettings, replica: str) -> Any:
     )  # fmt: skip
     limits = SchedulerLimits(settings.kv_pool, settings.max_batch, settings.max_waiting)
     name = settings.served_model_name or model_identity(model)
-    app = build_app(model, tokenizer, spec, limits, name, settings.max_tokens)
+    access = Access(settings.api_key or None, settings.protect_metrics)
+    app = build_app(model, tokenizer, spec, limits, name, settings.max_tokens, settings.serve_limits, access)
     app.add_middleware(ReplicaHeader, replica=replica)
     return app
 

@@ -4,8 +4,9 @@ commands from the HTTP side and feeding each request's event queue.
 HTTP handlers never touch the engine: they send a command (submit, cancel) through a thread-safe
 queue and wait on a future or on their request's ``asyncio.Queue``. Between two engine steps the
 thread takes every pending command, so a new request joins the running batch at the next step and a
-client that went away frees its row at once. Events are ``("text", delta)``, ``("done", outcome)``
-and ``("error", ServeError)``, delivered on the event loop with ``call_soon_threadsafe``.
+client that went away frees its row at once; a request past its deadline is finished the same way and
+told so (408). Events are ``("text", (delta, logprob records))``, ``("done", outcome)`` and
+``("error", ServeError)``, delivered on the event loop with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epikv.engine import Completion, Engine, QueueFull, Request
+from epikv.serve.errors import ServeError
+from epikv.serve.logprobs import LogprobRecorder, TokenLogprob
 from epikv.serve.metrics import ServerMetrics
-from epikv.serve.protocol import ServeError
 from epikv.serve.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -29,12 +31,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Job:
-    """One HTTP request's life in the engine thread."""
+    """One HTTP request's life in the engine thread; ``timeout_s``: its deadline after arrival."""
 
     request: Request
     text: TextStream
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    recorder: LogprobRecorder | None = None
+    timeout_s: float | None = None
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
@@ -50,6 +54,8 @@ class Outcome:
     text: str
     finish_reason: str
     completion: Completion
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every chosen token's, when asked
+    rest: list[TokenLogprob] = field(default_factory=list)  # those no streamed chunk carried yet
 
 
 class EngineWorker:
@@ -100,6 +106,7 @@ class EngineWorker:
                     self._drain(block=not self.engine.has_work())
                     if self.engine.has_work():
                         self._step()
+                    self._expire()
                     if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                         self._fail_all(_shutting_down())
         except BaseException as err:  # the thread must not die silently
@@ -160,7 +167,22 @@ class EngineWorker:
                 continue
             reason = "stop" if completion.finish_reason in ("eos", "stop") else completion.finish_reason
             self.metrics.finished(reason, completion, job)
-            job.emit("done", Outcome(job.text.text, reason, completion))
+            records = job.recorder.tokens if job.recorder else []
+            rest = job.recorder.flush() if job.recorder else []
+            job.emit("done", Outcome(job.text.text, reason, completion, records, rest))
+
+    def _expire(self) -> None:
+        """Finish the requests past their deadline (running or waiting) and tell their clients."""
+        now = time.perf_counter()
+        late = [j for j in self.jobs.values() if j.timeout_s is not None and now - j.submitted >= j.timeout_s]
+        for job in late:
+            del self.jobs[job.request.id]
+            completion = self.engine.finish(job.request.id, "deadline")
+            self.metrics.finished("deadline", completion, job)
+            made = len(completion.token_ids) if completion is not None else 0
+            message = f"the request ran past its deadline of {job.timeout_s:g} s (--request-timeout)"
+            error = ServeError(f"{message} after {made} tokens", status=408, code="request_timeout")
+            job.emit("error", error)
 
     def _fail_all(self, error: ServeError) -> None:
         for request_id, job in list(self.jobs.items()):
@@ -177,10 +199,12 @@ class EngineWorker:
         else:
             self.metrics.itl.observe(now - job.last_token)
         job.last_token = now
+        if job.recorder is not None:
+            job.recorder.chosen(token)
         stopped = job.text.push(token)
         delta = job.text.delta()
         if delta:
-            job.emit("text", delta)
+            job.emit("text", (delta, job.recorder.flush() if job.recorder else []))
         return stopped
 
 
