@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from epikv.engine import Request as EngineRequest
 from epikv.engine import PoolTooSmall, SamplingParams
+from epikv.engine import Request as EngineRequest
 from epikv.serve import protocol as p
 from epikv.serve.errors import ServeError
 from epikv.serve.gate import Access, AccessRecord, Gate, record_of
