@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 import epikv
-from epikv.integration import attention_implementation
+from epikv.integration import attention_implementation, kernels
 from epikv.integration.attention import attention_rows
 from epikv.policies.base import CacheView, Needs, Policy, StepSignals, global_scores
 
@@ -39,7 +39,8 @@ class AttentionRecorder(Policy):
 def record(model, mode: str) -> list:
     AttentionRecorder.seen.clear()
     with epikv.attach(model, AttentionRecorder(recent=4), budget=14, attention=mode) as cache:
-        assert attention_implementation(model) == ("eager" if mode == "eager" else "sdpa")
+        # recompute keeps the fused kernel: SDPA, with one-token steps on packed query groups
+        assert attention_implementation(model) == ("eager" if mode == "eager" else kernels.NAME)
         logits = model(input_ids=PROMPT, cache=cache, use_cache=True).logits
         for _ in range(12):
             logits = model(

@@ -11,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import epikv
 from epikv import scoring
-from epikv.integration import active_hooks, attention_implementation, model_info, project_queries
+from epikv.integration import active_hooks, attention_implementation, kernels, model_info, project_queries
 from epikv.integration.arch import check_supported, decoder_layers
 from epikv.models.tiny import random_weights, tiny_config
 
@@ -33,9 +33,10 @@ def test_hooks_removed_and_attention_untouched(tiny_model):
     with epikv.attach(tiny_model, "epikv", budget=64, band_a=1, band_b=2) as cache:
         assert active_hooks(tiny_model) == 4  # pre + post on the stack, two band layers
         out = tiny_model(input_ids=PROMPT, cache=cache, use_cache=True)
-        assert attention_implementation(tiny_model) == "sdpa"
+        assert attention_implementation(tiny_model) == kernels.NAME  # SDPA, decode on packed groups
         assert getattr(out, "attentions", None) is None
     assert active_hooks(tiny_model) == 0
+    assert attention_implementation(tiny_model) == "sdpa"  # the model's own setting is back
     with pytest.raises(RuntimeError), epikv.attach(tiny_model, "epikv-flat", budget=64, band_a=1, band_b=2):
         raise RuntimeError("boom")
     assert active_hooks(tiny_model) == 0

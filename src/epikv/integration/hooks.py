@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from epikv.cache import BudgetedCache
+from epikv.integration import kernels
 from epikv.integration.arch import base_model, check_supported, decoder_layers, model_info, text_config
 from epikv.integration.arch import project_queries as _project_queries
 from epikv.integration.attention import AttentionCapture
@@ -65,6 +66,7 @@ class Attachment:
             else None
         )
         self._handles: list[Any] = []
+        self._previous_impl: str | None = None
         self._depth = 0
         self._hidden: dict[int, torch.Tensor] = {}
         self._step: tuple[BudgetedCache, torch.Tensor, torch.Tensor, bool] | None = None
@@ -106,6 +108,9 @@ class Attachment:
             self._remove()
 
     def _install(self) -> None:
+        if attention_implementation(self.model) == "sdpa":  # one-token steps on packed query groups
+            self._previous_impl = "sdpa"
+            self.model.set_attn_implementation(kernels.register())
         base = base_model(self.model)
         self._handles.append(base.register_forward_pre_hook(self._before, with_kwargs=True))
         self._handles.append(base.register_forward_hook(self._after, with_kwargs=True))
@@ -123,6 +128,9 @@ class Attachment:
         self._step = None
         if self.attention is not None:
             self.attention.restore()
+        if self._previous_impl is not None:
+            self.model.set_attn_implementation(self._previous_impl)
+            self._previous_impl = None
 
     # -- hooks -----------------------------------------------------------------------------------
     def _ours(self, kwargs: dict[str, Any]) -> BudgetedCache | None:
