@@ -48,6 +48,7 @@ class ServeBenchConfig:
     capacity_waves: int = 1
     prompt_source: str = "gsm8k"
     threads: int | None = 2
+    dtype: str = "float32"  # the server's and generate's --dtype (auto: bf16 where the CPU has it)
     timeout_s: float = 7200.0
     soak_s: float = 0.0  # > 0: the soak instead of the sweep (epikv.bench.serve_soak)
     soak_rows: int = 8
@@ -116,7 +117,7 @@ def start_server(
         argv += ["--kv-pool", str(kv_pool)]
     if config.threads is not None:
         argv += ["--threads", str(config.threads)]
-    argv += extra or []
+    argv += ["--dtype", config.dtype, *(extra or [])]
     log = folder / f"server-{policy}-{port}.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads or os.cpu_count())}
     process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
@@ -200,7 +201,15 @@ def generate_speed(config: ServeBenchConfig, prompt: str) -> float:
         "--budget",
         str(config.budget),
     ]
-    argv += ["--max-new-tokens", str(config.max_tokens), "--ignore-eos", "--json", prompt]
+    argv += [
+        "--max-new-tokens",
+        str(config.max_tokens),
+        "--ignore-eos",
+        "--json",
+        "--dtype",
+        config.dtype,
+        prompt,
+    ]
     if config.model is not None:
         argv += ["--model", config.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads or os.cpu_count())}

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP
 from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
 from epikv.threads import THREADS_HELP, apply_threads
@@ -37,6 +38,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--drain-seconds", type=float, default=5.0, help="on SIGTERM, wait this long, then cancel")
     add_access_arguments(p)
     add_ray_serve_arguments(p)
@@ -91,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ) from err
     from epikv.engine import SchedulerLimits
     from epikv.integration import build_spec
-    from epikv.models import load_model, model_identity
+    from epikv.models import load_model, model_identity, resolve_dtype
     from epikv.policies import policy_class
     from epikv.spec import parse_budget, parse_policy_params
 
@@ -100,7 +102,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
     threads = apply_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    dtype, dtype_note = resolve_dtype(args.dtype)
+    threads = f"{threads}; {dtype_note}"
+    model, tokenizer = load_model(args.model, dtype=dtype)
     spec = build_spec(
         model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param
     )
