@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epikv.bench import capacity, io
+from epikv.bench import capacity, documents
 from epikv.bench.capacity import CapacityConfig, KVShape
 
 
@@ -42,9 +42,9 @@ def test_bad_assumptions_are_rejected():
 
 
 def test_document_and_plot_from_file(tmp_path):
-    path = io.write_result(capacity.run_capacity(CapacityConfig(model="qwen-1.5b")), tmp_path)
+    path = documents.write_result(capacity.run_capacity(CapacityConfig(model="qwen-1.5b")), tmp_path)
     data = json.loads(path.read_text())
-    assert set(io.TOP_LEVEL_KEYS) <= set(data)
+    assert set(documents.TOP_LEVEL_KEYS) <= set(data)
     assert data["config"]["model"] == "qwen-1.5b"
     assert data["results"]["kv_bytes_per_token"] == 2 * 28 * 2 * 128 * 2
     png = capacity.plot_capacity(path)

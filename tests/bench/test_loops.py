@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from epikv.bench import io, loops
+from epikv.bench import documents, loops
 from epikv.bench.loops import LoopsConfig
 from epikv.cli import main
 from tests.ray_helpers import local_cluster, ray_test
@@ -114,7 +114,7 @@ def test_shards_split_batches_and_a_last_run_assembles(tiny_pair, problems_file,
 
 def test_figure_and_tables_come_from_the_file(tiny_pair, problems_file, tmp_path, capsys):
     document = loops.run_loops(_config(problems_file, tmp_path), *tiny_pair)
-    path = io.write_result(document, tmp_path / "out")
+    path = documents.write_result(document, tmp_path / "out")
     assert loops.plot_loops(path).stat().st_size > 5000
     assert main(["bench", "table", str(path)]) == 0
     table = capsys.readouterr().out
@@ -146,7 +146,7 @@ def test_cli_runs_and_plots(problems_file, tmp_path, capsys):
     argv += ["--problems", "2", "--offsets", "1", "--max-new-tokens", "12", "--policies", "full,streaming"]
     argv += ["--peaks", "40", "--sweep-policies", "", "--sweep-budgets", "", "--references", "full"]
     assert main([*argv, "--no-progress", "--out", str(tmp_path)]) == 0
-    data = io.read_result(tmp_path / "loops.json", "loops")
+    data = documents.read_result(tmp_path / "loops.json", "loops")
     assert data["config"]["threads"] == 1 and data["config"]["offsets"] == [1]
     assert data["results"]["summary"]["rows"][str(problems_file)]["streaming@39"]["problems"] == 2
     assert (tmp_path / "loops.png").is_file() and (tmp_path / "loops-parts").is_dir()

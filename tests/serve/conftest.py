@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -43,6 +44,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(port: int, process, output, seconds: float = 120) -> None:
+    """Until the server process on ``port`` answers /health with 200; fails with the tail of its
+    ``output()`` if it exits first, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, output()[-2000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
 
 
 def start(

@@ -11,14 +11,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
-from tests.serve.conftest import free_port
+from tests.serve.conftest import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,16 +54,7 @@ def test_lm_eval_drives_the_server(serve_model_folder, serve_model, embedded_tok
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(port, server, lambda: (tmp_path / "server.log").read_text())
         client_env = {**os.environ, "OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         base = f"model=m,num_concurrent=2,max_retries=1,base_url=http://127.0.0.1:{port}/v1"

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.serve.conftest import free_port
+from tests.serve.conftest import free_port, wait_healthy
 
 
 def test_sigterm_drains_and_exits_within_seconds(serve_model_folder):
@@ -22,16 +22,7 @@ def test_sigterm_drains_and_exits_within_seconds(serve_model_folder):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read().decode()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(port, server, lambda: server.stdout.read().decode())
         body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000,
                 "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
         received = 0

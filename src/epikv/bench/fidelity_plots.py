@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents, figures
 from epikv.bench.interval_plots import Ranked, memory_panel, rank, ranked_panel
 
 
@@ -26,12 +26,12 @@ def plot_document(
     """One row of panels per comparison (each equal K, each equal peak): per genre, the cells ranked
     by ``metric`` with 95% intervals and the reference policy's interval shaded; last, the memory
     each cell held (pooled genre), in the ranking of the last genre."""
-    data = io.read_result(json_path, "fidelity")
+    data = documents.read_result(json_path, "fidelity")
     results = data["results"]
     summary = results["summary"]
     genres, comparisons = summary["genres"], summary["comparisons"]
     higher = not metric.startswith(("kl", "nll"))
-    figure, axes = io.new_figure(width=3.4 * (len(genres) + 1), height=0.4 * 12 * len(comparisons) + 0.8)
+    figure, axes = figures.new_figure(width=3.4 * (len(genres) + 1), height=0.4 * 12 * len(comparisons) + 0.8)
     axes[0].remove()
     grid = figure.subplots(len(comparisons), len(genres) + 1, squeeze=False)
     for r, comparison in enumerate(comparisons):
@@ -60,7 +60,7 @@ def plot_document(
         f"(grey: the reference policy's 95% interval)",
         fontsize=9,
     )
-    out = io.save_figure(figure, png or io.png_path(json_path))
+    out = figures.save_figure(figure, png or figures.png_path(json_path))
     plot_kept(data, out.with_name(out.stem + "-kept.png"))
     return out
 
@@ -80,7 +80,7 @@ def plot_kept(data: dict[str, Any], png: Path, genre: str | None = None) -> Path
         return None
     cols = min(5, len(items))
     nrows = (len(items) + cols - 1) // cols
-    figure, axes = io.new_figure(width=2.4 * cols, height=1.9 * nrows + 0.4, ncols=1)
+    figure, axes = figures.new_figure(width=2.4 * cols, height=1.9 * nrows + 0.4, ncols=1)
     axes[0].remove()
     grid = figure.subplots(nrows, cols, squeeze=False, sharey=True)
     for ax in grid.flat[len(items) :]:
@@ -97,4 +97,4 @@ def plot_kept(data: dict[str, Any], png: Path, genre: str | None = None) -> Path
         ax.tick_params(labelsize=6)
     figure.supxlabel("relative position of a kept token (0 = first prompt token, 1 = newest)", fontsize=8)
     figure.suptitle(f"where the kept tokens sit ({genre}, {first['kind']} {first['target']})", fontsize=9)
-    return io.save_figure(figure, png)
+    return figures.save_figure(figure, png)

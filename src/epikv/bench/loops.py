@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import io
+from epikv.bench import documents, machine, model_loading
 from epikv.bench.fidelity import parse_variant
 from epikv.bench.loops_runs import Problem, generate_cell, load_problems
 from epikv.bench.loops_summary import FULL, problem_facts, summarize_loops
@@ -175,24 +175,28 @@ def run_loops(
     config: LoopsConfig,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
-    reporter: io.Reporter | None = None,
+    reporter: documents.Reporter | None = None,
 ) -> dict[str, Any]:
     """Every problem x cell, ``batch_size`` problems at a time, finished parts kept in
     ``parts_dir``; returns the document (per-problem facts, the summary, the plan, the cost). With
     ``shard`` only that shard's batches are computed, and the summary counts the complete batches."""
     from epikv.generation import eos_ids
 
-    reporter = reporter or io.Reporter()
+    reporter = reporter or documents.Reporter()
     if config.ray is not None:
         _run_on_ray(config)
-    io.set_threads(config.threads)
+    machine.set_threads(config.threads)
     if model is None:
-        model, tokenizer = io.load_bench_model(config.model, config.device, config.dtype)
+        model, tokenizer = model_loading.load_bench_model(config.model, config.device, config.dtype)
     specs, plan = plan_cells(model, config)
     for spec in specs.values():
         reporter.uses(spec)
     stop = frozenset(eos_ids(model, tokenizer))
-    settings = {"max_new_tokens": config.max_new_tokens, "stop": sorted(stop), "model": io.model_name(model)}
+    settings = {
+        "max_new_tokens": config.max_new_tokens,
+        "stop": sorted(stop),
+        "model": model_loading.model_name(model),
+    }
     work = _batches(config, tokenizer)
     shard_index, shard_count = parse_shard(config.shard)
     loops = config.loop_config()
@@ -211,7 +215,7 @@ def run_loops(
                 results[name] = generate_cell(model, tokenizer, batch, spec, config.max_new_tokens, stop)
                 seconds = time.perf_counter() - t0
                 parts.put(b, name, cell_print(fingerprint, spec), results[name], seconds)
-                log.info("%s batch %d %s: %.0f s, load %s", dataset, b, name, seconds, io.load_average())
+                log.info("%s batch %d %s: %.0f s, load %s", dataset, b, name, seconds, machine.load_average())
             bar.set_postfix_str(name)
             bar.update()
         if any(result is None for result in results.values()):
@@ -222,17 +226,17 @@ def run_loops(
             _add_cost(costs.setdefault(name, {}), parts.cost(b, name), result)
     bar.close()
     results_doc = {
-        "model": io.model_name(model),
+        "model": model_loading.model_name(model),
         "plan": plan,
         "specs": {name: spec.config() for name, spec in specs.items()},
         "batches": {"total": len(work), "complete": complete},
         "seconds": round(time.perf_counter() - started, 1),
-        "load_average": io.load_average(),
+        "load_average": machine.load_average(),
         "cost": costs,
         "problems": records,
         "summary": summarize_loops(records, plan, config.references),
     }
-    return io.make_document("loops", config, results_doc, config.device, reporter.specs)
+    return documents.make_document("loops", config, results_doc, config.device, reporter.specs)
 
 
 def _batches(config: LoopsConfig, tokenizer: Any) -> list[tuple[str, int, list[Problem]]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents, figures
 from epikv.bench.interval_plots import Ranked, memory_panel, rank, ranked_panel
 from epikv.bench.loops_summary import FULL
 
@@ -30,7 +30,7 @@ def _shown(label: str, row: dict[str, Any]) -> str:
 
 
 def plot_document(json_path: str | Path, png: str | Path | None = None) -> Path:
-    data = io.read_result(json_path, "loops")
+    data = documents.read_result(json_path, "loops")
     summary = data["results"]["summary"]
     dataset = summary["datasets"][-1]  # "all" when there are several
     rows = summary["rows"][dataset]
@@ -38,7 +38,7 @@ def plot_document(json_path: str | Path, png: str | Path | None = None) -> Path:
     sweep = [c for c in summary["comparisons"] if c["kind"] == "sweep"]
     nrows = len(levels) + (1 if sweep else 0)
     ncols = len(PANELS) + 1
-    figure, axes = io.new_figure(width=3.0 * ncols, height=0.35 * 12 * nrows + 0.8, ncols=1)
+    figure, axes = figures.new_figure(width=3.0 * ncols, height=0.35 * 12 * nrows + 0.8, ncols=1)
     axes[0].remove()
     grid = figure.subplots(nrows, ncols, squeeze=False)
     for r, level in enumerate(levels):
@@ -65,7 +65,7 @@ def plot_document(json_path: str | Path, png: str | Path | None = None) -> Path:
         f"(grey: the full cache's 95% interval)",
         fontsize=9,
     )
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))
 
 
 def _sweep_row(axes: Any, summary: dict[str, Any], dataset: str) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents, figures, prompt_loading
 from epikv.bench.serve_clients import closed_loop
 from epikv.bench.serve_soak import plot_soak, run_soak, soak_arguments
 
@@ -219,14 +219,14 @@ def generate_speed(config: ServeBenchConfig, prompt: str) -> float:
     return float(json.loads(done.stdout)["tokens_per_second"])
 
 
-def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> dict[str, Any]:
+def run_serve(config: ServeBenchConfig, reporter: documents.Reporter | None = None) -> dict[str, Any]:
     """Sweep concurrency for every policy, then the capacity run; returns the document (the servers'
     logs go to a temporary folder, quoted in the error if one fails and removed after a success)."""
-    reporter = reporter or io.Reporter()
+    reporter = reporter or documents.Reporter()
     if config.soak_s:
-        return io.make_document("serve", config, soak(config, reporter), specs=reporter.specs)
+        return documents.make_document("serve", config, soak(config, reporter), specs=reporter.specs)
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-serve-"))
-    prompts = io.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
+    prompts = prompt_loading.load_prompts(config.prompt_source, max(16, max(config.concurrency)), 0)
     load = [os.getloadavg()[0]]
     n = len(config.policies)  # one bar step per sweep level, capacity run and the generate run
     steps = n * len(config.concurrency) + (n if config.pool_requests else 0) + 1
@@ -256,10 +256,10 @@ def run_serve(config: ServeBenchConfig, reporter: io.Reporter | None = None) -> 
     results = {"levels": levels, "capacity": capacity, "overhead": overhead, "load_average": load}
     results["targets"] = serve_targets(results, config)
     shutil.rmtree(folder, ignore_errors=True)
-    return io.make_document("serve", config, results, specs=reporter.specs)
+    return documents.make_document("serve", config, results, specs=reporter.specs)
 
 
-def soak(config: ServeBenchConfig, reporter: io.Reporter) -> dict[str, Any]:
+def soak(config: ServeBenchConfig, reporter: documents.Reporter) -> dict[str, Any]:
     """The soak (:mod:`epikv.bench.serve_soak`) against one server of the first policy."""
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-soak-"))
     server = start_server(config, config.policies[0], None, folder, soak_arguments(config.soak_rows))
@@ -340,11 +340,11 @@ def serve_targets(results: dict[str, Any], config: ServeBenchConfig) -> dict[str
 
 def plot_serve(json_path: str | os.PathLike[str], png: str | os.PathLike[str] | None = None) -> Path:
     """Tokens/s and p99 inter-token latency against concurrency (left, middle); capacity (right)."""
-    data = io.read_result(json_path, "serve")
+    data = documents.read_result(json_path, "serve")
     results, cfg = data["results"], data["config"]
     if "soak" in results:
-        return plot_soak(results, Path(png or io.png_path(json_path)))
-    figure, axes = io.new_figure(width=13.0, height=4.0, ncols=3)
+        return plot_soak(results, Path(png or figures.png_path(json_path)))
+    figure, axes = figures.new_figure(width=13.0, height=4.0, ncols=3)
     for index, (policy, levels) in enumerate(results["levels"].items()):
         xs = sorted(int(c) for c in levels)
         axes[0].plot(xs, [levels[str(c)]["tokens_per_s"] for c in xs], "o-", color=f"C{index}", label=policy)
@@ -367,4 +367,4 @@ def plot_serve(json_path: str | os.PathLike[str], png: str | os.PathLike[str] | 
             axes[2].annotate(f"{n} at once", top, ha="center", va="bottom", fontsize=8)
         axes[2].set_ylabel("aggregate tokens/s")
         axes[2].set_title(f"capacity: KV pool of {capacity['kv_pool']} slots", fontsize=9)
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import io
+from epikv.bench import documents, figures, prompt_loading
 
 OUTCOMES = ("completed", "429", "left", "4xx", "5xx", "lost")
 MALFORMED: list[bytes] = [
@@ -125,10 +125,10 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def run_soak(config: Any, reporter: io.Reporter, url: str, process: Any) -> dict[str, Any]:
+def run_soak(config: Any, reporter: documents.Reporter, url: str, process: Any) -> dict[str, Any]:
     """Bursts against the server at ``url`` (its ``process`` for RSS) until ``config.soak_s`` is up."""
     clients = 2 * config.soak_rows
-    prompts = io.load_prompts(config.prompt_source, 32, 0)
+    prompts = prompt_loading.load_prompts(config.prompt_source, 32, 0)
     totals, bursts = dict.fromkeys(OUTCOMES, 0), []
     load = [os.getloadavg()[0]]
     started = time.monotonic()
@@ -168,7 +168,7 @@ def soak_results(
 def plot_soak(results: dict[str, Any], png: Path) -> Path:
     """Resident memory after each burst (left) and each burst's outcomes (right)."""
     soak = results["soak"]
-    figure, axes = io.new_figure(width=11.0, height=4.0, ncols=2)
+    figure, axes = figures.new_figure(width=11.0, height=4.0, ncols=2)
     times = [b["t_s"] for b in soak["bursts"]]
     axes[0].plot(times, [b["rss_mb"] for b in soak["bursts"]], "o-")
     axes[0].set_xlabel("seconds")
@@ -182,4 +182,4 @@ def plot_soak(results: dict[str, Any], png: Path) -> Path:
     axes[1].set_ylabel("clients")
     axes[1].legend(fontsize=8)
     axes[1].set_title(json.dumps(soak["totals"]), fontsize=7)
-    return io.save_figure(figure, png)
+    return figures.save_figure(figure, png)

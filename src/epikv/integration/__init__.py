@@ -1,7 +1,7 @@
 """The one place that touches transformers internals: architecture table, hooks, query projection
 and attention capture. Everything else in epikv sees models only through this package."""
 
-from epikv.integration.arch import ARCHITECTURES, ArchSpec, check_supported, model_info, project_queries
+from epikv.integration.arch import ARCHITECTURES, ArchFacts, check_supported, model_info, project_queries
 from epikv.integration.hooks import (
     Attachment,
     active_hooks,
@@ -12,7 +12,7 @@ from epikv.integration.hooks import (
 
 __all__ = [
     "ARCHITECTURES",
-    "ArchSpec",
+    "ArchFacts",
     "Attachment",
     "active_hooks",
     "attach",

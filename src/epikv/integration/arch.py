@@ -18,7 +18,7 @@ from epikv.policies.base import ModelInfo
 
 
 @dataclass(frozen=True)
-class ArchSpec:
+class ArchFacts:
     """How an architecture computes a layer's queries: what Seg-Q and the attention baselines redo.
 
     Every supported architecture has full (global) RoPE attention in every layer, scaled by
@@ -47,16 +47,16 @@ class ArchSpec:
         return " > ".join([*steps, "RoPE"])
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(examples="Llama 3, DeepSeek-R1-Distill-Llama"),
-    "mistral": ArchSpec(examples="Mistral-family configs without a sliding window"),
-    "qwen2": ArchSpec(examples="DeepSeek-R1-Distill-Qwen, QwQ-32B, Qwen2.5"),
-    "qwen3": ArchSpec(q_norm="q_norm", examples="Qwen3 dense (0.6B-32B)"),
-    "qwen3_moe": ArchSpec(q_norm="q_norm", examples="Qwen3-30B-A3B, Qwen3-235B-A22B"),
-    "phi3": ArchSpec(q_proj="qkv_proj", fused_qkv=True, examples="Phi-4-reasoning, Phi-4-reasoning-plus"),
-    "olmo2": ArchSpec(input_norm=None, q_norm="q_norm", q_norm_whole=True, examples="OLMo-2"),
-    "glm4_moe": ArchSpec(q_norm="q_norm", examples="GLM-4.5, GLM-4.5-Air"),
-    "seed_oss": ArchSpec(examples="Seed-OSS-36B"),
+ARCHITECTURES: dict[str, ArchFacts] = {
+    "llama": ArchFacts(examples="Llama 3, DeepSeek-R1-Distill-Llama"),
+    "mistral": ArchFacts(examples="Mistral-family configs without a sliding window"),
+    "qwen2": ArchFacts(examples="DeepSeek-R1-Distill-Qwen, QwQ-32B, Qwen2.5"),
+    "qwen3": ArchFacts(q_norm="q_norm", examples="Qwen3 dense (0.6B-32B)"),
+    "qwen3_moe": ArchFacts(q_norm="q_norm", examples="Qwen3-30B-A3B, Qwen3-235B-A22B"),
+    "phi3": ArchFacts(q_proj="qkv_proj", fused_qkv=True, examples="Phi-4-reasoning, Phi-4-reasoning-plus"),
+    "olmo2": ArchFacts(input_norm=None, q_norm="q_norm", q_norm_whole=True, examples="OLMo-2"),
+    "glm4_moe": ArchFacts(q_norm="q_norm", examples="GLM-4.5, GLM-4.5-Air"),
+    "seed_oss": ArchFacts(examples="Seed-OSS-36B"),
 }
 """Partial RoPE (Phi-3's partial_rotary_factor, GLM-4.5's half-rotated heads) needs no field: the
 model's rotary tables are only as wide as the rotated part, and :func:`apply_rope` rotates that much."""
@@ -112,7 +112,7 @@ def text_config(model: nn.Module) -> Any:
     return model.config.get_text_config(decoder=True)
 
 
-def check_supported(model: nn.Module) -> ArchSpec:
+def check_supported(model: nn.Module) -> ArchFacts:
     """The architecture's spec, or a clear error for models the cache would get silently wrong."""
     config = text_config(model)
     model_type = getattr(config, "model_type", None)
@@ -184,7 +184,7 @@ def apply_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_queries(
-    attn: nn.Module, spec: ArchSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    attn: nn.Module, spec: ArchFacts, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """The queries attention module ``attn`` computes from its input ``x`` (B, W, hidden), with
     RoPE tables ``cos, sin`` (B, W, R): projection, the architecture's query norm, RoPE.
@@ -202,7 +202,7 @@ def attention_queries(
 
 
 def project_queries(
-    model: nn.Module, spec: ArchSpec, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+    model: nn.Module, spec: ArchFacts, layer: int, hidden: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """Queries of ``layer`` for residual states ``hidden`` (B, W, hidden) entering it, with RoPE at
     ``positions`` (B, W): the layer's own input norm (where it has one), then

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epikv.integration.arch import ArchSpec, attention_queries, decoder_layers
+from epikv.integration.arch import ArchFacts, attention_queries, decoder_layers
 
 MODES = ("recompute", "eager")
 CHUNK = 256  # query rows scored at once when recomputing (bounds memory to CHUNK x L per head)
@@ -30,7 +30,7 @@ class AttentionCapture:
     """Collects attention rows of the new tokens at ``layers`` for one attached cache."""
 
     def __init__(
-        self, model: nn.Module, spec: ArchSpec, layers: tuple[int, ...], rows: int, mode: str
+        self, model: nn.Module, spec: ArchFacts, layers: tuple[int, ...], rows: int, mode: str
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")

@@ -53,14 +53,14 @@ class Attachment:
     """
 
     def __init__(self, model: nn.Module, spec: CacheSpec) -> None:
-        self.spec_arch = check_supported(model)
+        self.arch = check_supported(model)
         self.model = model
         self.spec = spec
         self.info = model_info(model)
         needs = spec.policy.needs()
         self.attention = (
             AttentionCapture(
-                model, self.spec_arch, needs.attention_layers, needs.attention_queries, spec.attention
+                model, self.arch, needs.attention_layers, needs.attention_queries, spec.attention
             )
             if needs.attention_layers
             else None
@@ -90,7 +90,7 @@ class Attachment:
         return cache
 
     def project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _project_queries(self.model, self.spec_arch, layer, hidden, positions)
+        return _project_queries(self.model, self.arch, layer, hidden, positions)
 
     @property
     def installed(self) -> bool:
