@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import io
+from epikv.bench import documents, figures, machine, model_loading
 from epikv.engine.runner import Runner
 from epikv.integration import build_spec
 from epikv.spec import budget_at_peak
@@ -125,12 +125,12 @@ def time_cell(runner: Runner, source: Any, batch: int, config: StepConfig) -> di
 
 
 def run_step(
-    config: StepConfig, model: torch.nn.Module | None = None, reporter: io.Reporter | None = None
+    config: StepConfig, model: torch.nn.Module | None = None, reporter: documents.Reporter | None = None
 ) -> dict[str, Any]:
     """Every cell of ``config``; returns the step document."""
-    reporter = reporter or io.Reporter()
-    io.set_threads(config.threads)
-    load_before = io.load_average()
+    reporter = reporter or documents.Reporter()
+    machine.set_threads(config.threads)
+    load_before = machine.load_average()
     bandwidth = copy_bandwidth()
     cells = []
     total = len(config.dtypes) * len(config.policies) * len(config.contexts) * len(config.batches)
@@ -139,7 +139,7 @@ def run_step(
             if model is not None:
                 loaded = model.to(getattr(torch, dtype))
             else:
-                loaded = io.load_bench_model(config.model, config.device, dtype)[0]
+                loaded = model_loading.load_bench_model(config.model, config.device, dtype)[0]
             weights = weight_bytes(loaded)
             element = next(loaded.parameters()).element_size()
             for policy in config.policies:
@@ -171,14 +171,14 @@ def run_step(
                         )
                         bar.update(1)
     results = {
-        "model": io.model_name(loaded),
+        "model": model_loading.model_name(loaded),
         "bandwidth_bytes_per_s": bandwidth,
         "weight_bytes": weights,
         "load_average_before": load_before,
-        "load_average_after": io.load_average(),
+        "load_average_after": machine.load_average(),
         "cells": cells,
     }
-    return io.make_document("step", config, results, config.device, reporter.specs)
+    return documents.make_document("step", config, results, config.device, reporter.specs)
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -197,9 +197,9 @@ def markdown(document: dict[str, Any]) -> str:
 
 def plot_step(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Measured step / traffic bound against cached tokens, one panel per dtype, a line per policy x batch."""
-    data = io.read_result(json_path, "step")
+    data = documents.read_result(json_path, "step")
     cells, cfg = data["results"]["cells"], data["config"]
-    figure, axes = io.new_figure(width=5.0 * len(cfg["dtypes"]), height=4.2, ncols=len(cfg["dtypes"]))
+    figure, axes = figures.new_figure(width=5.0 * len(cfg["dtypes"]), height=4.2, ncols=len(cfg["dtypes"]))
     for panel, dtype in zip(axes, cfg["dtypes"], strict=True):
         for i, policy in enumerate(cfg["policies"]):
             for j, batch in enumerate(cfg["batches"]):
@@ -217,4 +217,4 @@ def plot_step(json_path: str | Path, png: str | Path | None = None) -> Path:
         panel.set_ylabel("measured step / traffic bound")
         panel.set_title(f"{data['results']['model']}, {dtype}", fontsize=9)
         panel.legend(fontsize=7)
-    return io.save_figure(figure, png or io.png_path(json_path))
+    return figures.save_figure(figure, png or figures.png_path(json_path))
