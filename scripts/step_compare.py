@@ -35,7 +35,9 @@ def main() -> None:
     model, _ = load_model(dtype=getattr(torch, args.dtype))
     budget = None if args.policy == "full" else args.context - 128  # tau 128: the cell holds K + tau
     runner = Runner(model, build_spec(model, args.policy, budget))
-    ids = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)
+    )
     source = runner.new_cache()
     runner.prefill(source, ids[:32].tolist())
     runner.extend(source, ids[32:-1].tolist())
@@ -56,7 +58,11 @@ def main() -> None:
             tokens = runner.decode(cache, tokens).argmax(dim=-1)
             if index >= 2:
                 times.append(1e3 * (time.perf_counter() - start))
-    print(json.dumps({**vars(args), "median_ms": statistics.median(times), "ms": times, "load": os.getloadavg()}))
+    print(
+        json.dumps(
+            {**vars(args), "median_ms": statistics.median(times), "ms": times, "load": os.getloadavg()}
+        )
+    )
 
 
 if __name__ == "__main__":

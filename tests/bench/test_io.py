@@ -57,21 +57,3 @@ def test_random_models_and_byte_tokenizer():
     assert ids.shape == (1, 2) and int(ids.max()) < model.config.vocab_size
     with pytest.raises(ValueError, match="unknown random model"):
         model_loading.random_model("huge")
-
-
-def test_the_old_module_name_keeps_every_name_it_had():
-    from epikv.bench import figures, io, machine
-
-    old = {
-        documents: "SCHEMA_VERSION TOP_LEVEL_KEYS Reporter config_dict make_document read_result spec_record "
-        "write_result",
-        figures: "new_figure png_path save_figure",
-        machine: "QUIET_MALLOC current_rss load_average machine_info peak_rss reset_peak_rss set_threads "
-        "synchronizer virtual_size",
-        model_loading: "RANDOM_PRESETS ByteTokenizer load_bench_model model_name page_in random_model",
-        prompt_loading: "encode_prompt load_prompts",
-    }
-    for module, names in old.items():
-        for name in names.split():
-            assert getattr(io, name) is getattr(module, name), name
-    assert io.encode_prompt_ids is prompt_loading.prompt_token_ids  # the old name of the one-text helper

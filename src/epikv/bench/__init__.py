@@ -12,7 +12,7 @@ function that accepts an in-process model where it can and returns a result docu
 
 :mod:`~epikv.bench.documents` (result files), :mod:`~epikv.bench.machine` (machine facts, memory
 probes), :mod:`~epikv.bench.model_loading`, :mod:`~epikv.bench.prompt_loading` and
-:mod:`~epikv.bench.figures` hold what they share (``epikv.bench.io`` re-exports them under the old name);
+:mod:`~epikv.bench.figures` hold what they share;
 :mod:`~epikv.bench.genres` the text genres of the fidelity study (prompts and forced continuations)
 and :mod:`~epikv.bench.stats` its statistics (bootstrap intervals, equal-peak budgets, histograms).
 """
