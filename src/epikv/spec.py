@@ -115,7 +115,9 @@ class CacheSpec:
         """A row's K: ``budget`` (a request's own, at most the spec's), or the spec's when None."""
         if budget is None:
             return self.budget
-        if self.budget is None or not 0 < budget <= self.budget:
+        if self.budget is None:
+            raise ValueError(f"policy {self.policy.name!r} keeps every token: a request budget cannot be set")
+        if not 0 < budget <= self.budget:
             raise ValueError(
                 f"a request's budget must be in 1..{self.budget}, at most the engine's (its spec's K), "
                 f"got {budget}"

@@ -186,10 +186,10 @@ class _Routes:
         lowest = 0 if getattr(request, "echo", False) else 1  # 0: only the echoed prompt
         if not lowest <= max_tokens <= limit:
             raise ServeError(f"max_tokens must be in {lowest}..{limit}, got {max_tokens}", param="max_tokens")
-        budget = self.worker.engine.spec.budget
-        if request.kv_budget is not None and (budget is None or not 1 <= request.kv_budget <= budget):
-            allowed = f"1..{budget}" if budget is not None else "not settable: this server keeps every token"
-            raise ServeError(f"kv_budget must be {allowed}, got {request.kv_budget}", param="kv_budget")
+        try:  # the spec owns the rule: 1..its K, and no K at all for a server that keeps every token
+            self.worker.engine.spec.row_budget(request.kv_budget)
+        except ValueError as err:
+            raise ServeError(f"kv_budget: {err}", param="kv_budget") from None
         temperature = 1.0 if request.temperature is None else request.temperature
         if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and NaN probabilities
             temperature = 0.0
