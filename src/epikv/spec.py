@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,11 @@ class CacheSpec:
             "attention": self.attention,
             "bands": bands,
         }
+
+    def record(self) -> dict[str, Any]:
+        """What a result keeps about this spec: its line (:meth:`describe`) and its resolved config,
+        JSON-normalised (tuples as lists)."""
+        return {"describe": self.describe(), **json.loads(json.dumps(self.config()))}
 
     def describe(self) -> str:
         """One line for logs: policy, budget, interval and (for EpiKV) the bands and their origin."""

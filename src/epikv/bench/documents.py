@@ -39,7 +39,7 @@ def config_dict(config: Any) -> dict[str, Any]:
 def spec_record(spec: CacheSpec) -> dict[str, Any]:
     """What a result keeps about one cache spec: its line (``describe``) and its resolved config
     (policy, budget, interval, attention, and the bands with the profile they came from)."""
-    return {"describe": spec.describe(), **json.loads(json.dumps(spec.config()))}
+    return spec.record()
 
 
 class Reporter:

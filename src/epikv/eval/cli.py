@@ -225,8 +225,9 @@ def _build(engine: EngineFactory, config: EvalConfig) -> Generator:
 def _save_spec(folder: Path, generator: Generator | None) -> None:
     """The resolved spec as the run's ``spec.json`` (nothing when no generator was built or it has none)."""
     if generator is not None and generator.spec is not None:
-        record = {"describe": generator.spec.describe(), **generator.spec.config()}
-        (folder / "spec.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        (folder / "spec.json").write_text(
+            json.dumps(generator.spec.record(), indent=2) + "\n", encoding="utf-8"
+        )
 
 
 def report_command(args: argparse.Namespace) -> int:
