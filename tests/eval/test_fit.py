@@ -89,7 +89,7 @@ def test_eval_checks_every_run_before_the_first_generates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     engine = Engine()
-    monkeypatch.setattr(cli, "_default_generator_factory", lambda model: engine)
+    monkeypatch.setattr(cli, "_default_generator_factory", lambda model, **_: engine)
     argv = ["eval", "--dataset", "gsm8k", "--policy", "streaming", "--policy", "random", "--budget", "200",
             "--budget", "80", "--limit", "10", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 2
@@ -113,7 +113,7 @@ def test_the_engines_generator_counts_tokens_as_it_will_send_them(
     from epikv.models import tiny_model
 
     model = tiny_model("llama", identity="tiny-fit", max_position_embeddings=64)
-    monkeypatch.setitem(generation._MODELS, "tiny-fit", (model, embedded_tokenizer))
+    monkeypatch.setitem(generation._MODELS, ("tiny-fit", "float32"), (model, embedded_tokenizer))
     made = generation.make_generator("tiny-fit", "random", 48)
     short, long = build_messages("What is 2 + 2?"), build_messages("word " * 80)
     fits = made.fit([short, long])  # type: ignore[attr-defined]

@@ -79,7 +79,7 @@ def test_report_ignores_a_run_folder_without_records(tmp_path: Path) -> None:
 def test_the_summary_counts_the_selection_and_names_what_lies_outside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "_default_generator_factory", lambda model: lambda *a: FakeGenerator(right))
+    monkeypatch.setattr(cli, "_default_generator_factory", lambda model, **_: lambda *a: FakeGenerator(right))
     argv = ["eval", "--dataset", "gsm8k", "--policy", "full", "--no-progress", "--out", str(tmp_path)]
     assert main([*argv, "--limit", "7"]) == 0
     assert "selected: gsm8k problems 0-6 (7 of 1319) x 1 sample(s); to generate: full Kfull 7" in (

@@ -25,7 +25,7 @@ KINDS = ("memory", "speed", "step", "fidelity", "loops", "capacity", "peer", "se
 KIND_HELP = {
     "memory": "peak memory of one forward: eager vs SDPA vs EpiKV's capture",
     "speed": "decode tokens/s and compaction cost of each policy",
-    "step": "the decode step against the memory-traffic bound (batch x cached tokens x dtype)",
+    "step": "decode step time against the memory-traffic bound",
     "fidelity": "agreement and KL with the full cache, per policy and budget",
     "loops": "free-running loops, cap hits and accuracy at equal peak memory",
     "capacity": "requests that fit in GPU memory per context (no model runs)",
