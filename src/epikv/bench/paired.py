@@ -1,15 +1,18 @@
 """Counts over problems: a Wilson interval for a rate and the exact McNemar test for two policies
 run on the same problems.
 
-Both come from scipy (``binomtest``): the exact McNemar test is the two-sided binomial test of the
-discordant pairs at p = 1/2, and the Wilson interval is ``binomtest``'s own ``proportion_ci``. Pure
-functions of booleans per problem; nothing here runs a model or knows a policy.
+The exact McNemar test comes from scipy (``binomtest``: the two-sided binomial test of the discordant
+pairs at p = 1/2); the Wilson interval is the eval's own (:func:`epikv.eval.metrics.wilson_interval`,
+tested against scipy's ``proportion_ci``), one formula for the whole project. Pure functions of
+booleans per problem; nothing here runs a model or knows a policy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+from epikv.eval.metrics import wilson_interval
 
 
 def _binomtest(successes: int, trials: int, p: float = 0.5) -> Any:  # scipy's BinomTestResult
@@ -39,8 +42,10 @@ def wilson(successes: int, n: int, level: float = 0.95) -> Rate | None:
         raise ValueError(f"need 0 <= successes <= n, got {successes} of {n}")
     if n == 0:
         return None
-    ci = _binomtest(successes, n).proportion_ci(confidence_level=level, method="wilson")
-    return Rate(successes, n, successes / n, float(ci.low), float(ci.high))
+    from scipy.stats import norm
+
+    low, high = wilson_interval(successes, n, float(norm.ppf((1 + level) / 2)))
+    return Rate(successes, n, successes / n, low, high)
 
 
 class McNemar(NamedTuple):
