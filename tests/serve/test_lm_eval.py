@@ -47,9 +47,10 @@ def test_lm_eval_drives_the_server(serve_model_folder, serve_model, embedded_tok
                     "--problems", "3", "--max-gen-toks", "24"], check=True, env={**os.environ,
                     "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
     port = free_port()
+    # fp32: the log-likelihoods are compared with a plain fp32 forward below
     argv = [sys.executable, "-m", "epikv.cli", "serve", "--model", str(serve_model_folder), "--policy",
             "streaming", "--budget", "64", "--port", str(port), "--served-model-name", "m",
-            "--max-tokens", "64", "--threads", "1"]  # fmt: skip
+            "--max-tokens", "64", "--threads", "1", "--dtype", "float32"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EPIKV_API_KEY": KEY, "PYTHONPATH": str(ROOT / "src")}
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
