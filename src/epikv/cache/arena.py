@@ -41,8 +41,10 @@ class ArenaShape:
 class Arena:
     """Preallocated per-slot storage for ``rows`` x ``slots`` (see the module docstring)."""
 
-    def __init__(self, shape: ArenaShape, max_slots: int | None = None) -> None:
-        self.shape = shape
+    def __init__(
+        self, shape: ArenaShape, dtype: torch.dtype, device: torch.device, max_slots: int | None = None
+    ) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
         self.max_slots = max_slots  # rows x slots never exceeds this (None = no cap)
         self.rows = self.slots = 0
         self.keys: list[torch.Tensor] = []
@@ -52,8 +54,6 @@ class Arena:
         self.buffers: dict[str, torch.Tensor] = {}
         self._parent: Arena | None = None
         self._row = 0
-        self.dtype: torch.dtype | None = None
-        self.device: torch.device | None = None
 
     # -- allocation --------------------------------------------------------------------------------
     @property
@@ -63,9 +63,6 @@ class Arena:
     def kv_bytes(self) -> int:
         """Bytes of keys and values allocated (every layer)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def init(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
 
     def ensure(self, rows: int, slots: int, keep_rows: int, keep_slots: int) -> None:
         """Make room for ``rows`` x ``slots``, keeping the first ``keep_rows`` rows' first ``keep_slots``
@@ -123,9 +120,8 @@ class Arena:
 
     def row_view(self, row: int) -> Arena:
         """An arena over row ``row`` of this one (same storage): writes to it land in that row."""
-        view = Arena(self.shape)
+        view = Arena(self.shape, self.dtype, self.device)
         view._parent, view._row = self, row
-        view.dtype, view.device = self.dtype, self.device
         view.rows, view.slots = 1, self.slots
         view.keys = [k[row : row + 1] for k in self.keys]
         view.values = [v[row : row + 1] for v in self.values]

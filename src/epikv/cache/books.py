@@ -48,29 +48,25 @@ class RowBooks(RowState):
 
     @classmethod
     def start(
-        cls,
-        real: torch.Tensor,
-        slots: int,
-        since: int,
-        budget: int | None,
-        reserved: int | None,
+        cls, prompt_len: torch.Tensor, since: int, budget: int | None, reserved: int | None
     ) -> RowBooks:
-        """Books of a first prefill: ``real`` (B,) real prompt tokens, ``slots`` used by every row."""
-        prompts = real.tolist()  # one host sync per prefill
-        n = len(prompts)
+        """Books of rows about to take their first prefill (``prompt_len`` (B,) real prompt tokens):
+        nothing held yet; the prefill's own pass adds its tokens (:meth:`grow`)."""
+        n = prompt_len.shape[0]
+        zeros = [0] * n
         return cls(
-            prompt_len=real.clone(),
-            seen=torch.zeros_like(real),
-            fill=[slots] * n,
-            held=list(prompts),
+            prompt_len=prompt_len.clone(),
+            seen=torch.zeros_like(prompt_len),
+            fill=list(zeros),
+            held=list(zeros),
             since=[since] * n,
             budgets=[budget] * n,
             reserved=[reserved] * n,
-            peak=list(prompts),
-            evicted=[0] * n,
-            compactions=[0] * n,
-            held_sum=[0] * n,
-            passes=[0] * n,
+            peak=list(zeros),
+            evicted=list(zeros),
+            compactions=list(zeros),
+            held_sum=list(zeros),
+            passes=list(zeros),
         )
 
     def __len__(self) -> int:

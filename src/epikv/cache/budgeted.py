@@ -67,9 +67,7 @@ class BudgetedCache(Cache):
     ) -> None:
         self.spec = spec
         self.budget = spec.row_budget(budget)
-        self.arena = arena or Arena(arena_shape(spec, model), max_slots)
-        if arena is None:
-            self.arena.init(dtype, torch.device(device))
+        self.arena = arena or Arena(arena_shape(spec, model), dtype, torch.device(device), max_slots)
         super().__init__(layers=[BudgetedLayer(self.arena, i) for i in range(model.num_layers)])
         self.policy = spec.policy
         self.model = model
@@ -171,14 +169,13 @@ class BudgetedCache(Cache):
         decode = self.started and not self._prefill_open
         if not self.started:
             real = new_valid.sum(dim=-1)
-            since = 0 if self.policy.first_compaction == "after_interval" else self.interval
-            self.books = RowBooks.start(real, 0, since, self.budget, self.reservation)
-            for tokens in self.books.held:
+            added = real.tolist()  # one host sync per prefill
+            for tokens in added:
                 self.spec.check_prompt(tokens, self.budget)
+            since = 0 if self.policy.first_compaction == "after_interval" else self.interval
+            self.books = RowBooks.start(real, since, self.budget, self.reservation)
             self.state = self.policy.init_state(batch, self.model, new_valid.device)
             self._started = True
-            added = self.books.held
-            self.books.held = [0] * batch
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
             chunk = self._prefill_open  # a later chunk of the prompt: the prompt grows, nothing is decoded
             if chunk:

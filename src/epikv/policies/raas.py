@@ -66,12 +66,13 @@ class RaaS(AttentionPolicy):
         old = step.buffers["raas"]
         now = st.steps.to(old.dtype)[None, :, None, None]  # each row's own decode step
         stamps = torch.nn.functional.pad(old, (0, length - old.shape[-1]))
-        if step.write_slots is not None:  # this step's tokens are stamped now, wherever their slot
-            fresh = torch.zeros(b, length, dtype=torch.bool, device=old.device)
-            fresh[torch.arange(b, device=old.device)[:, None], step.write_slots] = True
-            stamps = torch.where(fresh[None, :, None, :], now, stamps)
-        else:
-            stamps[..., old.shape[-1] :] = now
+        # This step's tokens are stamped now, wherever their slot (the last q slots if not said).
+        slots = step.write_slots
+        if slots is None:
+            slots = torch.arange(length - q, length, device=old.device).expand(b, q)
+        fresh = torch.zeros(b, length, dtype=torch.bool, device=old.device)
+        fresh[torch.arange(b, device=old.device)[:, None], slots] = True
+        stamps = torch.where(fresh[None, :, None, :], now, stamps)
         real = step.slots_valid[None, :, None, :] if step.slots_valid is not None else None
         stamps = refresh_timestamps(stamps, attention, now, real)
         st.steps = st.steps + 1
