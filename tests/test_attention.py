@@ -9,6 +9,7 @@ import torch
 
 import epikv
 from epikv.integration import attention_implementation, kernels
+from epikv.integration.arch import decoder_layers
 from epikv.integration.attention import attention_rows
 from epikv.policies.base import CacheView, Needs, Policy, StepSignals, global_scores
 
@@ -21,7 +22,7 @@ class AttentionRecorder(Policy):
     seen: ClassVar[list] = []
 
     def needs(self) -> Needs:
-        return Needs(attention_layers=(0, 3), attention_queries=2)
+        return Needs(attention_layers=(1, 3), attention_queries=2)  # global in every tiny model
 
     def observe(self, state: Any, step: StepSignals) -> dict[str, torch.Tensor]:
         AttentionRecorder.seen.append(
@@ -38,29 +39,38 @@ class AttentionRecorder(Policy):
 
 def record(model, mode: str) -> list:
     AttentionRecorder.seen.clear()
+    before = attention_implementation(model)
     with epikv.attach(model, AttentionRecorder(recent=4), budget=14, attention=mode) as cache:
         # recompute keeps the fused kernel: SDPA, with one-token steps on packed query groups
-        assert attention_implementation(model) == ("eager" if mode == "eager" else kernels.NAME)
+        fused = kernels.NAME if before == "sdpa" else before  # gpt-oss runs its own eager attention
+        assert attention_implementation(model) == ("eager" if mode == "eager" else fused)
         logits = model(input_ids=PROMPT, cache=cache, use_cache=True).logits
         for _ in range(12):
             logits = model(
                 input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True
             ).logits
-    assert attention_implementation(model) == "sdpa"
+    assert attention_implementation(model) == before
     return list(AttentionRecorder.seen)
 
 
 def test_recompute_equals_eager(arch_model):
     fast, eager = record(arch_model, "recompute"), record(arch_model, "eager")
     assert len(fast) == len(eager) == 13
+    first, last = 1, 3
     for (rows_f, sums_f), (rows_e, sums_e) in zip(fast, eager, strict=True):
-        for layer in (0, 3):
+        for layer in (first, last):
             torch.testing.assert_close(rows_f[layer], rows_e[layer], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(sums_f[layer], sums_e[layer], rtol=1e-4, atol=1e-5)
     prefill_rows, prefill_sums = fast[0]
-    assert prefill_rows[0].shape == (1, 4, 2, 10)
-    # every query row is a distribution: column sums over 10 prompt queries total 10 per head
-    torch.testing.assert_close(prefill_sums[0].sum(-1), torch.full((1, 4), 10.0))
+    assert prefill_rows[first].shape == (1, 4, 2, 10)
+    # every query row is a distribution: column sums over 10 prompt queries total 10 per head (less
+    # where learned sinks take their share)
+    total = prefill_sums[first].sum(-1)
+    sinks = getattr(decoder_layers(arch_model)[first].self_attn, "sinks", None)
+    if sinks is None:
+        torch.testing.assert_close(total, torch.full((1, 4), 10.0))
+    else:
+        assert bool((total < 10.0).all()) and bool((total > 0).all())
 
 
 def test_attention_rows_chunking_and_masks():

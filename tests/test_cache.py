@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import epikv
+from epikv.cache.window import WindowLayer
 from epikv.generation import SamplingConfig, generate
 from epikv.policies.base import CacheView, Policy, global_scores
 
@@ -40,23 +41,41 @@ def decode(model, cache, ids, n):
     return tokens, logits
 
 
+def kept_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values of row 0 as a plain cache would hold them for the next token: an
+    evicting layer's kept slots; a sliding layer's last W-1 tokens (its ring's, by true position)."""
+    out = []
+    for layer in cache.layers:
+        k, v = layer.keys[:1].clone(), layer.values[:1].clone()
+        if isinstance(layer, WindowLayer):
+            ring = layer.windows
+            pos, valid = ring.arena.positions[0, 0, 0].long(), ring.arena.valid[0]
+            order = [s for s in pos.argsort().tolist() if valid[s]][-(ring.window - 1) :]
+            k, v = k[:, :, order], v[:, :, order]
+        out.append((k, v))
+    return out
+
+
 def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
     with epikv.attach(arch_model, "random", budget=24) as cache:
         tokens, _ = decode(arch_model, cache, PROMPT, 40)
         assert cache.stats()[0].evictions > 0
-        kept_k = [layer.keys.clone() for layer in cache.layers]
-        kept_v = [layer.values.clone() for layer in cache.layers]
+        kept = kept_states(cache)
         true_pos = int(cache.seen[0])
         compacted_len = cache.get_seq_length()
         nxt = torch.tensor([[tokens[-1]]])
         ours = arch_model(input_ids=nxt, cache=cache, use_cache=True).logits[0, -1]
+        # one token attends everything a plain cache holds: no mask (a hybrid takes one per layer kind)
+        mask = {"full_attention": None, "sliding_attention": None} if cache.windows is not None else None
 
     def reference(position: int) -> torch.Tensor:
         ref = DynamicCache()
-        for i, (k, v) in enumerate(zip(kept_k, kept_v, strict=True)):
+        for i, (k, v) in enumerate(kept):
             ref.update(k, v, i)
         pos = torch.tensor([[position]])
-        return arch_model(input_ids=nxt, position_ids=pos, cache=ref, use_cache=True).logits[0, -1]
+        return arch_model(
+            input_ids=nxt, position_ids=pos, attention_mask=mask, cache=ref, use_cache=True
+        ).logits[0, -1]
 
     assert compacted_len < true_pos
     torch.testing.assert_close(ours, reference(true_pos), rtol=1e-5, atol=1e-5)

@@ -49,7 +49,7 @@ def test_bounded_protected_ordered_under_eviction(arch_model, name):
             seen_lengths.append(cache.get_seq_length())
             if cache.compactions > compactions:
                 assert seen_lengths[-1] <= budget, "a compaction left more than K tokens"
-            pos = cache.layers[0].positions[0, 0].tolist()
+            pos = cache.layers[cache.model.cache_layers[0]].positions[0, 0].tolist()
             assert pos == sorted(pos), "positional order lost"
             assert all(p in pos for p in range(cache.policy.n_sink)), "sink evicted"
             if cache.policy.protect_prompt:

@@ -10,6 +10,8 @@ import transformers.integrations.sdpa_attention as sdpa
 import epikv
 from epikv.engine import Engine, Request, SchedulerLimits
 from epikv.engine.engine import fill_gaps
+from epikv.integration import model_info
+from epikv.models.tiny import tiny_model
 from tests.conftest import policy_params
 from tests.engine.test_engine import prompts, spec_for
 
@@ -37,6 +39,32 @@ def test_allocated_kv_bytes_never_exceed_the_pool(tiny_llama, name, rows):
             assert allocated <= pool * slot_bytes(tiny_llama), (steps, allocated)
             most = max(most, engine.running)
     assert most >= 2  # the pool ran requests side by side, and never held more than it allows
+
+
+def test_a_hybrid_models_windows_count_in_the_pool():
+    """Sliding-window rings are held in the pool's slots too: allocated bytes (global arena and
+    rings) never exceed pool x the bytes of one slot of the evicting layers."""
+    model = tiny_model("gemma3_text")  # layers 0 and 2 slide (window 6), 1 and 3 evict
+    info = model_info(model)
+    assert info.window_slots == 7  # (6 + 1) slots x 2 sliding layers / 2 evicting layers
+    c = model.config
+    evicting_slot = 2 * len(info.cache_layers) * c.num_key_value_heads * c.head_dim * 4
+    spec = spec_for(model, "streaming", budget=16)
+    pool = 2 * (spec.budget + spec.interval + info.window_slots) + 3
+    engine = Engine(model, spec, SchedulerLimits(kv_pool=pool))
+    for i, ids in enumerate(prompts(4)):
+        engine.submit(Request(ids, 20 + 5 * i))
+    most, rings = 0, set()
+    with engine:
+        while engine.has_work():
+            engine.step()
+            assert engine.cache.kv_bytes() <= pool * evicting_slot
+            most = max(most, engine.running)
+            if engine.running:
+                rings.add(engine.cache.windows.arena.keys[0].data_ptr())
+                assert engine.cache.layers[0].keys.shape[2] == c.sliding_window + 1
+    assert most == 2
+    assert len(rings) == 1  # the rings were allocated once and written in place
 
 
 def test_a_decode_step_writes_in_place(tiny_llama):

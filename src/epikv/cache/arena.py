@@ -42,10 +42,16 @@ class Arena:
     """Preallocated per-slot storage for ``rows`` x ``slots`` (see the module docstring)."""
 
     def __init__(
-        self, shape: ArenaShape, dtype: torch.dtype, device: torch.device, max_slots: int | None = None
+        self,
+        shape: ArenaShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_slots: int | None = None,
+        row_overhead: int = 0,
     ) -> None:
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.max_slots = max_slots  # rows x slots never exceeds this (None = no cap)
+        self.max_slots = max_slots  # rows x (slots + row_overhead) never exceeds this (None = no cap)
+        self.row_overhead = row_overhead  # slots each row holds elsewhere, counted in the cap
         self.rows = self.slots = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -64,24 +70,26 @@ class Arena:
         """Bytes of keys and values allocated (every layer)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def ensure(self, rows: int, slots: int, keep_rows: int, keep_slots: int) -> None:
+    def ensure(self, rows: int, slots: int, keep_rows: int, keep_slots: int, exact: bool = False) -> None:
         """Make room for ``rows`` x ``slots``, keeping the first ``keep_rows`` rows' first ``keep_slots``
-        slots. Growing copies; an arena that already holds the room is left as it is."""
+        slots. Growing copies; an arena that already holds the room is left as it is. Rows double
+        unless ``exact``."""
         if rows <= self.rows and slots <= self.slots:
             return
         if self._parent is not None:
             raise RuntimeError(f"a row view holds {self.slots} slots and cannot grow to {slots}")
-        if self.max_slots is not None and rows * slots > self.max_slots:
+        extra = self.row_overhead
+        if self.max_slots is not None and rows * (slots + extra) > self.max_slots:
             raise MemoryError(
-                f"the KV arena would need {rows} rows x {slots} slots = {rows * slots}, "
+                f"the KV arena would need {rows} rows x {slots + extra} slots = {rows * (slots + extra)}, "
                 f"over its cap of {self.max_slots} slots"
             )
         # Rows double (admissions then copy the arena O(log n) times); slots are what the caller asks.
-        new_rows = self.rows if rows <= self.rows else max(rows, 2 * self.rows)
+        new_rows = self.rows if rows <= self.rows else (rows if exact else max(rows, 2 * self.rows))
         new_slots = max(slots, self.slots)
-        if self.max_slots is not None and new_rows * new_slots > self.max_slots:
+        if self.max_slots is not None and new_rows * (new_slots + extra) > self.max_slots:
             new_slots = slots  # drop room no live row needs rather than pass the cap
-            new_rows = max(rows, min(new_rows, self.max_slots // new_slots))
+            new_rows = max(rows, min(new_rows, self.max_slots // (new_slots + extra)))
         s = self.shape
         old = (self.keys, self.values, self.positions, self.valid, self.buffers)
         kv = (new_rows, s.kv_heads, new_slots, s.head_dim)

@@ -26,7 +26,9 @@ from transformers.cache_utils import Cache
 from epikv.cache.arena import Arena, ArenaShape
 from epikv.cache.books import RowBooks
 from epikv.cache.layer import BudgetedLayer, Writes
+from epikv.cache.row_verbs import RowVerbs
 from epikv.cache.view import SequenceStats, SlotView
+from epikv.cache.window import WindowLayer, Windows, windows_for
 from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import cat_rows, take_rows
 from epikv.selection import protected_slots, select_keep
@@ -37,18 +39,19 @@ MIN_SLOTS = 64  # slots a cache without a reservation starts with; it then doubl
 
 
 def arena_shape(spec: CacheSpec, model: ModelInfo) -> ArenaShape:
-    """Per-slot layout for a spec: positions per head and buffers as wide as the policy selects."""
-    grain = spec.policy.granularity
+    """Per-slot layout for a spec: the evicting layers' keys and values (sliding-window layers keep
+    theirs in :mod:`epikv.cache.window`), positions per head and buffers as wide as the policy selects."""
+    grain, evicting = spec.policy.granularity, len(model.cache_layers)
     heads = model.num_kv_heads if "head" in grain else 1
-    layers = model.num_layers if "layer" in grain else 1
-    return ArenaShape(model.num_layers, model.num_kv_heads, model.head_dim, heads, layers, heads)
+    layers = evicting if "layer" in grain else 1
+    return ArenaShape(evicting, model.num_kv_heads, model.head_dim, heads, layers, heads)
 
 
 def _book(name: str) -> Any:
     return property(lambda cache: getattr(cache.books, name), doc=f"The rows' ``{name}`` (RowBooks).")
 
 
-class BudgetedCache(Cache):
+class BudgetedCache(RowVerbs, Cache):
     """A cache holding at most K real tokens per row after each of the row's compactions, and at most
     K + tau in between. The spec's budget None never evicts (the ``full`` policy); ``budget`` narrows
     this cache's K below the spec's (a request's own budget). ``max_slots`` caps the arena (rows x
@@ -64,11 +67,24 @@ class BudgetedCache(Cache):
         device: torch.device | str = "cpu",
         max_slots: int | None = None,
         arena: Arena | None = None,
+        windows: Windows | None = None,
     ) -> None:
         self.spec = spec
         self.budget = spec.row_budget(budget)
-        self.arena = arena or Arena(arena_shape(spec, model), dtype, torch.device(device), max_slots)
-        super().__init__(layers=[BudgetedLayer(self.arena, i) for i in range(model.num_layers)])
+        self.arena = arena or Arena(
+            arena_shape(spec, model), dtype, torch.device(device), max_slots, model.window_slots
+        )
+        self.windows = windows or windows_for(model, self.arena)
+        evicting = {layer: i for i, layer in enumerate(model.cache_layers)}
+        sliding = {layer: i for i, layer in enumerate(model.sliding_layers)}
+        super().__init__(
+            layers=[
+                BudgetedLayer(self.arena, evicting[i])
+                if i in evicting
+                else WindowLayer(self.windows, sliding[i])
+                for i in range(model.num_layers)
+            ]
+        )
         self.policy = spec.policy
         self.model = model
         self.project_queries: QueryProjector | None = None
@@ -94,12 +110,15 @@ class BudgetedCache(Cache):
         """Forget every row; the arena's storage is kept for the next rows."""
         if self.arena.allocated and self.batch_size:
             self.arena.clear_rows(slice(0, self.batch_size), 0, self.width)
+        if self.windows is not None:
+            self.windows.reset()
         self._clear()
 
     def _resize(self, rows: int, width: int) -> None:
         self.width = width
         for layer in self.layers:
-            layer.resize(rows, width)
+            if isinstance(layer, BudgetedLayer):
+                layer.resize(rows, width)
 
     # -- what the rest of epikv reads --------------------------------------------------------------
     @property
@@ -150,8 +169,12 @@ class BudgetedCache(Cache):
         return self.books.stats()
 
     def kv_bytes(self) -> int:
-        """Bytes of keys and values this cache's arena has allocated."""
-        return self.arena.kv_bytes()
+        """Bytes of keys and values this cache has allocated (arena and sliding windows)."""
+        return self.arena.kv_bytes() + (self.windows.arena.kv_bytes() if self.windows is not None else 0)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Slots an evicting layer holds, whichever layer is asked (a sliding layer's ring is no length)."""
+        return self.layers[self.model.cache_layers[0]].get_seq_length()
 
     def update(self, key_states, value_states, layer_idx: int, *args: Any, **kwargs: Any):
         kwargs["writes"] = self._writes
@@ -184,6 +207,9 @@ class BudgetedCache(Cache):
                     self.spec.check_prompt(tokens, self.budget)
             added = [q] * batch
         self._write_slots(new_valid, positions, q)
+        if self.windows is not None:
+            seen = self.books.seen.to(positions.device) + new_valid.sum(dim=-1)
+            self.windows.begin_step(new_valid, positions, seen)
         self.books.grow(added, q, decode=decode)
 
     def _write_slots(self, new_valid: torch.Tensor, positions: torch.Tensor, q: int) -> None:
@@ -247,6 +273,8 @@ class BudgetedCache(Cache):
             else:
                 buf[:, writes.row_ids, :, writes.index] = value[..., 0].transpose(0, 1)
         self.books.seen = self.books.seen + signals.valid.sum(dim=-1)
+        if self.windows is not None:
+            self.windows.end_step()
         if not signals.prefill:
             self.books.since = [s + 1 for s in self.books.since]
         self._prefill_open, self.prompt_follows = self.prompt_follows, False
@@ -311,86 +339,3 @@ class BudgetedCache(Cache):
         order = others + rows
         self.state = take_rows(merged, sorted(range(len(order)), key=order.__getitem__))
         return scores
-
-    # -- rows (continuous batching) ----------------------------------------------------------------
-    def take_rows(self, index: Sequence[int]) -> None:
-        """Keep only rows ``index`` (in that order), freeing what the others held for reuse. Only rows
-        that change place are copied (pass survivors moved into the gaps to copy the fewest)."""
-        index = list(index)
-        if not index:
-            self.reset()
-            return
-        moves = [(dst, src) for dst, src in enumerate(index) if dst != src]
-        if moves:
-            device = self.arena.valid.device
-            dst = torch.tensor([m[0] for m in moves], device=device)
-            src = torch.tensor([m[1] for m in moves], device=device)
-            self.arena.copy_rows(dst, src, self.width)
-        if len(index) < self.batch_size:
-            self.arena.clear_rows(slice(len(index), self.batch_size), 0, self.width)
-        self.books = self.books.take(index)
-        self.state = take_rows(self.state, index)
-        self._resize(len(index), max(self.books.fill))
-
-    def row_cache(
-        self, budget: int | None = None, reserved: int | None = None, need: int = 1
-    ) -> BudgetedCache:
-        """An empty one-row cache over the next free row of this cache's arena, with room for ``need``
-        slots (its prompt) and up to ``reserved`` as it grows: prefill it, then :meth:`append` it
-        without a copy."""
-        row = self.batch_size
-        slots = self._slots_for(max(need, self.width), [reserved, *self.books.reserved])
-        self.arena.ensure(row + 1, slots, row, self.width)
-        self.arena.clear_rows(slice(row, row + 1), 0, self.arena.slots)
-        cache = BudgetedCache(self.spec, self.model, budget, arena=self.arena.row_view(row))
-        cache.reservation = reserved
-        cache.project_queries, cache.owner = self.project_queries, self.owner
-        return cache
-
-    def append(self, other: BudgetedCache) -> None:
-        """Join the rows of ``other`` (same spec, already prefilled) after this cache's rows."""
-        if other.spec != self.spec:
-            raise ValueError("only caches of one spec can share a batch")
-        if not other.started:
-            raise ValueError("a cache must be prefilled before it joins a batch")
-        b, m = self.batch_size, other.batch_size
-        if not other.arena.is_view_of(self.arena, b):
-            slots = self._slots_for(max(self.width, other.width), self.books.reserved + other.books.reserved)
-            self.arena.ensure(b + m, slots, b, self.width)
-            device = self.arena.valid.device
-            dst = torch.arange(b, b + m, device=device)
-            self.arena.copy_rows(dst, torch.arange(m, device=device), other.width, source=other.arena)
-        # Copies, never the other cache's objects: it may go on (a prefix, a benchmark's source row).
-        rows = list(range(m))
-        self.books = RowBooks.cat([self.books, other.books]) if b else other.books.take(rows)
-        self.state = cat_rows([self.state, other.state]) if b else take_rows(other.state, rows)
-        self._started = True
-        self._resize(b + m, max(self.books.fill))
-
-    def copy_prefix(self, length: int, into: BudgetedCache) -> None:
-        """Fill the empty one-row cache ``into`` with this cache's first ``length`` slots, for a row that
-        evicted nothing under a stateless policy (the full cache): a shared prompt prefix."""
-        if self.batch_size != 1 or self.books.compactions[0] or self.state is not None or self.buffers:
-            raise ValueError(
-                "only a one-row cache that evicted nothing, without policy state, can be a prefix"
-            )
-        if not 0 < length <= self.books.held[0] or self.has_holes:
-            raise ValueError(f"prefix length must be in 1..{self.books.held[0]}, got {length}")
-        into.arena.ensure(1, into._slots_for(length, [into.reservation]), 0, 0)
-        zero = torch.zeros(1, dtype=torch.long, device=self.arena.valid.device)
-        into.arena.copy_rows(zero, zero, length, source=self.arena)
-        books = self.books.take([0])
-        books.prompt_len = torch.full_like(books.prompt_len, length)
-        books.seen = torch.full_like(books.seen, length)
-        books.fill, books.held, books.peak = [length], [length], [length]
-        books.since, books.reserved = [self.interval], [into.reservation]
-        books.budgets = [into.budget]
-        into.books, into.state, into._started = books, None, True
-        into._resize(1, length)
-
-    def prefix(self, length: int) -> BudgetedCache:
-        """A new one-row cache (same hooks) holding this cache's first ``length`` slots (a copy)."""
-        new = BudgetedCache(self.spec, self.model, dtype=self.arena.dtype, device=self.arena.device)
-        new.owner, new.project_queries = self.owner, self.project_queries
-        self.copy_prefix(length, new)
-        return new

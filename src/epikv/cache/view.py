@@ -31,6 +31,7 @@ class SlotView:
         self._rows = None if rows is None else torch.tensor(rows, device=cache.valid.device)
         self.budget = budget
         self.num_layers = len(cache.layers)
+        self.layers: tuple[int, ...] = cache.model.cache_layers
         self.prompt_len = self._pick(cache.prompt_len)
         self.seen = self._pick(cache.seen)
         self.valid = self._pick(cache.valid)
@@ -45,7 +46,8 @@ class SlotView:
     def values(self, layer: int) -> torch.Tensor:
         return self._pick(self._cache.layers[layer].values)
 
-    def positions(self, layer: int = 0) -> torch.Tensor:
+    def positions(self, layer: int | None = None) -> torch.Tensor:
+        layer = self.layers[0] if layer is None else layer
         return self._pick(self._cache.layers[layer].positions).long()
 
     def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

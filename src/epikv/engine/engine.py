@@ -101,7 +101,9 @@ class Engine:
         self.scheduler: Scheduler[Request] = Scheduler(limits)
         self.cache = self.runner.new_cache(max_slots=self.scheduler.limits.kv_pool)
         self.rows: list[_Live] = []
-        self.context_length = model_info(model).context_length
+        info = model_info(model)
+        self.context_length = info.context_length
+        self.window_slots = info.window_slots  # a row's sliding-window rings, in pool slots
         self.tokens_out = 0  # tokens chosen so far (for metrics)
         self.evictions_done = 0  # tokens evicted from requests that have finished (for metrics)
 
@@ -115,7 +117,11 @@ class Engine:
 
     # -- admission -------------------------------------------------------------------------------
     def slots_for(self, request: Request) -> int:
-        """Cache slots ``request`` reserves: the most it can ever hold."""
+        """Pool slots ``request`` reserves: the most its evicting layers can ever hold, plus its
+        sliding-window rings (a fixed W+1 per sliding layer, counted in the same slots)."""
+        return self._arena_slots(request) + self.window_slots
+
+    def _arena_slots(self, request: Request) -> int:
         return self.spec.peak_tokens(request.prompt_tokens, request.max_new_tokens, request.budget)
 
     def validate(self, request: Request) -> None:
@@ -161,7 +167,7 @@ class Engine:
     def _start(self, request: Request) -> Completion | None:
         live = _Live(request, new_generator(request.sampling), time.perf_counter())
         # Prefilled straight into the row it will decode in: joining the batch copies nothing.
-        cache = self.cache.row_cache(request.budget, self.slots_for(request), request.prompt_tokens)
+        cache = self.cache.row_cache(request.budget, self._arena_slots(request), request.prompt_tokens)
         if request.prefix is not None:
             request.prefix.copy_prefix(request.prefix_length, cache)
         logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill, request.on_prompt_logits)

@@ -21,8 +21,9 @@ from epikv.policies.base import ModelInfo
 class ArchFacts:
     """How an architecture computes a layer's queries: what Seg-Q and the attention baselines redo.
 
-    Every supported architecture has full (global) RoPE attention in every layer, scaled by
-    1/sqrt(head_dim) (checked on the model); the fields say where the query path differs from Llama's.
+    Every supported architecture scales queries by 1/sqrt(head_dim) (checked on the model); its
+    global layers evict, and sliding-window layers (``hybrid`` architectures) keep their own window
+    (:mod:`epikv.cache.window`). The fields say where the query path differs from Llama's.
     """
 
     # decoder-layer norm in front of attention (None: OLMo-2 normalises after attention instead)
@@ -35,6 +36,18 @@ class ArchFacts:
     q_norm: str | None = None
     # q_norm spans all heads' projection before the head split (OLMo-2), rather than each head (Qwen3)
     q_norm_whole: bool = False
+    # the model's rotary embedding takes the layer type (Gemma 3, OLMo-3: one table per layer kind)
+    rope_by_layer_type: bool = False
+    # rotary tables are half a head wide and rotate the two halves (gpt-oss), not rotate_half's layout
+    half_tables: bool = False
+    # attention attribute saying whether a layer applies RoPE (SmolLM3's NoPE layers: ``use_rope``)
+    rope_flag: str | None = None
+    # with a sliding window configured, only the sliding layers apply RoPE (EXAONE 4's global NoPE)
+    nope_global: bool = False
+    # per-head learned logits joining every softmax (gpt-oss): recomputed attention rows include them
+    sinks: str | None = None
+    # may interleave sliding-window layers with global ones (evict in global layers only)
+    hybrid: bool = False
     # reasoning models people run with this model type (for `epikv policies --models`)
     examples: str = ""
 
@@ -44,7 +57,17 @@ class ArchFacts:
         steps.append(f"{self.q_proj}[:Hq*d]" if self.fused_qkv else self.q_proj)
         if self.q_norm is not None:
             steps.append(f"{self.q_norm} ({'all heads' if self.q_norm_whole else 'per head'})")
-        return " > ".join([*steps, "RoPE"])
+        rope = "RoPE"
+        if self.rope_flag is not None:
+            rope = f"RoPE (where {self.rope_flag})"
+        elif self.nope_global:
+            rope = "RoPE (sliding layers only)"
+        elif self.rope_by_layer_type:
+            rope = "RoPE (table of the layer's kind)"
+        steps.append(rope)
+        if self.sinks is not None:
+            steps.append(f"softmax with learned {self.sinks}")
+        return " > ".join(steps)
 
 
 ARCHITECTURES: dict[str, ArchFacts] = {
@@ -57,15 +80,26 @@ ARCHITECTURES: dict[str, ArchFacts] = {
     "olmo2": ArchFacts(input_norm=None, q_norm="q_norm", q_norm_whole=True, examples="OLMo-2"),
     "glm4_moe": ArchFacts(q_norm="q_norm", examples="GLM-4.5, GLM-4.5-Air"),
     "seed_oss": ArchFacts(examples="Seed-OSS-36B"),
+    "smollm3": ArchFacts(rope_flag="use_rope", hybrid=True, examples="SmolLM3-3B"),
+    "gemma3_text": ArchFacts(
+        q_norm="q_norm", rope_by_layer_type=True, hybrid=True, examples="Gemma 3 (270M-12B text)"
+    ),
+    "olmo3": ArchFacts(
+        input_norm=None,
+        q_norm="q_norm",
+        q_norm_whole=True,
+        rope_by_layer_type=True,
+        hybrid=True,
+        examples="OLMo-3-Think",
+    ),
+    "gpt_oss": ArchFacts(half_tables=True, sinks="sinks", hybrid=True, examples="gpt-oss-20b, gpt-oss-120b"),
+    "exaone4": ArchFacts(
+        input_norm=None, q_norm="q_norm", nope_global=True, hybrid=True, examples="EXAONE-4.0"
+    ),
 }
 """Partial RoPE (Phi-3's partial_rotary_factor, GLM-4.5's half-rotated heads) needs no field: the
 model's rotary tables are only as wide as the rotated part, and :func:`apply_rope` rotates that much."""
 
-_SLIDING = (
-    "interleaves sliding-window layers with global ones: a window over compacted slots would mask the "
-    "wrong tokens; such layers need the hybrid-cache design (evict only in global layers, leave windows "
-    "to the model), not yet built"
-)
 _MLA = (
     "uses multi-head latent attention (MLA): its cache holds one compressed latent per token, "
     "not per-head keys and values that eviction scores and keeps"
@@ -75,18 +109,7 @@ _RECURRENT = (
     "not a cache of tokens to evict"
 )
 NOT_YET: dict[str, str] = {
-    "gemma2": _SLIDING,
-    "gemma3_text": f"{_SLIDING} (and scales queries by query_pre_attn_scalar)",
-    "olmo3": (
-        f"{_SLIDING} (three of every four layers; the model always builds the sliding mask, so an "
-        "all-global OLMo-3 config is not a model anyone runs)"
-    ),
-    "exaone4": _SLIDING,
-    "gpt_oss": f"{_SLIDING}; its learned attention sinks must also stay correct after eviction",
-    "smollm3": (
-        "has layers without RoPE (NoPE, every fourth layer): they need the hybrid-cache design "
-        "(true positions per layer kind), not yet built"
-    ),
+    "gemma2": "caps attention logits (softcapping), which the recomputed attention rows do not model",
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash"), _MLA),
     **dict.fromkeys(
         "mamba mamba2 falcon_mamba falcon_h1 jamba bamba zamba zamba2 nemotron_h granitemoehybrid "
@@ -112,6 +135,20 @@ def text_config(model: nn.Module) -> Any:
     return model.config.get_text_config(decoder=True)
 
 
+def sliding_layers(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
+    """The layers with a sliding window, and its width (the config's ``layer_types`` and
+    ``sliding_window``; SmolLM3 names sliding layers but uses them only with ``use_sliding_window``).
+    A config with a window and no layer types has it in every layer."""
+    config = text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return (), None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return tuple(range(config.num_hidden_layers)), window
+    return tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"), window
+
+
 def check_supported(model: nn.Module) -> ArchFacts:
     """The architecture's spec, or a clear error for models the cache would get silently wrong."""
     config = text_config(model)
@@ -122,16 +159,24 @@ def check_supported(model: nn.Module) -> ArchFacts:
         raise ValueError(
             f"model type {model_type!r} is not supported by epikv "
             f"(supported: {', '.join(sorted(ARCHITECTURES))}); "
-            "eviction needs RoPE attention without sliding windows"
+            "eviction needs RoPE attention in global (not sliding-window) layers"
         )
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in layer_types)
-    window = getattr(config, "sliding_window", None)
-    if sliding or (window is not None and getattr(config, "use_sliding_window", True)):
+    spec = ARCHITECTURES[model_type]
+    sliding, window = sliding_layers(model)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"}:
         raise ValueError(
-            f"model type {model_type!r} with sliding-window layers (sliding_window={window}) "
-            "is not supported: "
+            f"model type {model_type!r} has layer types {sorted(kinds)}; epikv knows full and sliding"
+        )
+    if sliding and not spec.hybrid:
+        raise ValueError(
+            f"model type {model_type!r} with a sliding window (sliding_window={window}) is not supported: "
             "a window over compacted slots would mask the wrong tokens"
+        )
+    if len(sliding) == config.num_hidden_layers:
+        raise ValueError(
+            f"model type {model_type!r} has a sliding window in every layer (sliding_window={window}): "
+            "there is no global layer to evict in, its cache is already bounded"
         )
     if getattr(base_model(model), "rotary_emb", None) is None:
         raise ValueError(f"model type {model_type!r} has no rotary embedding; true positions cannot be kept")
@@ -142,7 +187,7 @@ def check_supported(model: nn.Module) -> ArchFacts:
             f"model type {model_type!r} scales queries by {scaling}, not 1/sqrt(head_dim); "
             "the recomputed attention rows would be wrong"
         )
-    return ARCHITECTURES[model_type]
+    return spec
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -159,6 +204,7 @@ def model_info(model: nn.Module) -> ModelInfo:
     config = text_config(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    sliding, window = sliding_layers(model)
     return ModelInfo(
         identity=model_identity(model),
         num_layers=config.num_hidden_layers,
@@ -167,6 +213,8 @@ def model_info(model: nn.Module) -> ModelInfo:
         head_dim=head_dim,
         hidden_size=config.hidden_size,
         context_length=getattr(config, "max_position_embeddings", None),
+        sliding_layers=sliding,
+        window=window,
     )
 
 
@@ -198,7 +246,30 @@ def attention_queries(
     q = q.view(*x.shape[:2], -1, attn.head_dim)
     if norm is not None and not spec.q_norm_whole:
         q = norm(q)
+    if not rotates(attn, spec):
+        return q.transpose(1, 2)
+    if spec.half_tables:  # gpt-oss rotates (first half, second half): rotate_half's layout, tables twice
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     return apply_rope(q.transpose(1, 2), cos, sin)
+
+
+def rotates(attn: nn.Module, spec: ArchFacts) -> bool:
+    """Whether attention module ``attn`` applies RoPE (SmolLM3's and EXAONE 4's NoPE layers do not)."""
+    if spec.rope_flag is not None:
+        return bool(getattr(attn, spec.rope_flag))
+    if spec.nope_global:
+        return attn.sliding_window is None or bool(attn.is_sliding)
+    return True
+
+
+def rope_tables(
+    model: nn.Module, spec: ArchFacts, layer: int, x: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``layer`` uses at ``positions`` (its layer kind's own, where tables differ)."""
+    rotary = base_model(model).rotary_emb
+    if spec.rope_by_layer_type:
+        return rotary(x, positions, text_config(model).layer_types[layer])
+    return rotary(x, positions)
 
 
 def project_queries(
@@ -213,5 +284,5 @@ def project_queries(
         x = hidden.to(getattr(attn, spec.q_proj).weight.dtype)
         if spec.input_norm is not None:
             x = getattr(decoder, spec.input_norm)(x)
-        cos, sin = base_model(model).rotary_emb(x, positions)
+        cos, sin = rope_tables(model, spec, layer, x, positions)
         return attention_queries(attn, spec, x, cos, sin)

@@ -37,6 +37,7 @@ class AttentionCapture:
         self.model, self.spec, self.layers, self.rows, self.mode = model, spec, layers, max(rows, 1), mode
         self._queries: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}
+        self._sinks: dict[int, torch.Tensor] = {}
         self._previous_impl: str | None = None
         self.active = False
 
@@ -44,6 +45,8 @@ class AttentionCapture:
         handles = []
         for index in self.layers:
             attn = decoder_layers(self.model)[index].self_attn
+            if self.spec.sinks is not None:
+                self._sinks[index] = getattr(attn, self.spec.sinks).detach()
             if self.mode == "recompute":
                 handles.append(attn.register_forward_pre_hook(self._pre(index), with_kwargs=True))
             else:
@@ -93,16 +96,21 @@ class AttentionCapture:
                 colsum[index] = weights.sum(dim=2)
             else:
                 rows[index], colsum[index] = attention_rows(
-                    self._queries.pop(index), keys[index], valid, self.rows
+                    self._queries.pop(index), keys[index], valid, self.rows, self._sinks.get(index)
                 )
         return rows, colsum
 
 
 def attention_rows(
-    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, last: int
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    last: int,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q.K^T / sqrt(D)) of new queries (B, Hq, q, D) against all cached keys (B, H, L, D),
-    where the new tokens are the last q slots (causal among them) and ``valid`` (B, L) masks holes.
+    where the new tokens are the last q slots (causal among them) and ``valid`` (B, L) masks holes;
+    ``sinks`` (Hq,) are learned logits joining each softmax (gpt-oss), whose share no key receives.
     Returns the last ``last`` rows (B, Hq, min(q, last), L) and the sum of all rows (B, Hq, L)."""
     b, hq, q, d = queries.shape
     length = keys.shape[2]
@@ -115,7 +123,12 @@ def attention_rows(
         logits = torch.einsum("bhqd,bhld->bhql", queries[:, :, lo:hi].float(), k) / d**0.5
         query_slot = (length - q + torch.arange(lo, hi, device=keys.device))[:, None]
         visible = (slots[None, :] <= query_slot)[None, None] & valid[:, None, None, :]
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        logits = logits.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, hi - lo, 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
         colsum += probs.sum(dim=2)
         if hi > q - last:
             tail.append(probs[:, :, max(lo, q - last) - lo :])

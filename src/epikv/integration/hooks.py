@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from epikv.cache import BudgetedCache
-from epikv.integration import kernels
+from epikv.integration import kernels, masks
 from epikv.integration.arch import base_model, check_supported, decoder_layers, model_info, text_config
 from epikv.integration.arch import project_queries as _project_queries
 from epikv.integration.attention import AttentionCapture
@@ -57,6 +57,13 @@ class Attachment:
         self.model = model
         self.spec = spec
         self.info = model_info(model)
+        if self.info.sliding_layers:
+            masks.check_implementation(model)
+            windowed = sorted(set(spec.policy.needs().attention_layers) & set(self.info.sliding_layers))
+            if windowed:
+                raise ValueError(
+                    f"policy {spec.policy.name!r} reads attention of sliding-window layers {windowed}"
+                )
         needs = spec.policy.needs()
         self.attention = (
             AttentionCapture(
@@ -157,7 +164,10 @@ class Attachment:
         if self.attention is not None:
             self.attention.active = True
         kwargs["position_ids"] = positions
-        kwargs["attention_mask"] = cache.valid.long() if cache.has_holes else None
+        if cache.windows is not None:  # one mask per layer kind, the window's by true position
+            kwargs["attention_mask"] = masks.hybrid_masks(self.model, cache, positions)
+        else:
+            kwargs["attention_mask"] = cache.valid.long() if cache.has_holes else None
         return args, kwargs
 
     def _capture(self, index: int):

@@ -28,6 +28,7 @@ TINY_SHAPE: dict[str, Any] = dict(
 """Config values every tiny model starts from (any of them can be overridden)."""
 
 _TINY_MOE: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_TINY_HYBRID: dict[str, Any] = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2)
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # Qwen2's config enables a sliding window unless told not to, and the budgeted cache refuses one.
     "qwen2": {"use_sliding_window": False},
@@ -39,7 +40,30 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # GLM-4.5's query/key norms; its partial RoPE (half of each head) is the config's default.
     "glm4_moe": {**_TINY_MOE, "n_routed_experts": 4, "use_qk_norm": True},
     "seed_oss": {"head_dim": 16},
+    # The hybrids: a sliding window of 6 in layers 0 and 2 (the real models start with sliding layers),
+    # global layers 1 and 3, so a test of a few dozen tokens runs past the window.
+    "gemma3_text": {
+        **_TINY_HYBRID,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "olmo3": {**_TINY_HYBRID, "eos_token_id": 2, "pad_token_id": 0},
+    "gpt_oss": {
+        **_TINY_HYBRID,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    },
+    "exaone4": {**_TINY_HYBRID, "sliding_window_pattern": 2, "eos_token_id": 2, "pad_token_id": 0},
+    # SmolLM3: every fourth layer without RoPE (layer 3 here), all global.
+    "smollm3": {"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1},
 }
+_ATTENTION = {"gpt_oss": "eager"}  # gpt-oss's learned sinks run in its own eager attention
 
 
 def tiny_spec(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
@@ -53,7 +77,7 @@ def config_from_spec(spec: dict[str, Any]) -> PretrainedConfig:
 
     values = dict(spec)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = _ATTENTION.get(spec["model_type"], "sdpa")
     return config
 
 

@@ -72,13 +72,16 @@ class AttentionPolicy(Policy[AttentionState]):
         return 1
 
     def default_layers(self, model: ModelInfo) -> tuple[int, ...]:
-        return tuple(range(model.num_layers))
+        return model.cache_layers
 
     def resolve(self, model: ModelInfo, bands: Any = None) -> AttentionPolicy:
         layers = self.layers if self.layers is not None else self.default_layers(model)
         if layers[-1] >= model.num_layers:
             raise ValueError(f"{self.name}: layers {layers} fall outside 0..{model.num_layers - 1}")
-        if "layer" in self.granularity and len(layers) != model.num_layers:
+        sliding = [i for i in layers if i not in model.cache_layers]
+        if sliding:
+            raise ValueError(f"{self.name}: layers {sliding} have a sliding window and never evict")
+        if "layer" in self.granularity and layers != model.cache_layers:
             raise ValueError(f"{self.name}: selects per layer and needs every layer, got layers={layers}")
         return self.with_params(layers=layers)
 

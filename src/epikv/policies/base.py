@@ -56,6 +56,22 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     context_length: int | None = None  # positions the model was trained on (max_position_embeddings)
+    # layers with a sliding window of ``window`` tokens: they keep their own window, never evict
+    sliding_layers: tuple[int, ...] = ()
+    window: int | None = None
+
+    @property
+    def cache_layers(self) -> tuple[int, ...]:
+        """The layers whose cache a policy scores and evicts (every layer but the sliding ones)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.sliding_layers)
+
+    @property
+    def window_slots(self) -> int:
+        """What a row's sliding-window rings (W+1 slots in each sliding layer) cost, in slots of the
+        evicting layers (the unit of a KV pool), rounded up; 0 without sliding layers."""
+        if not self.sliding_layers or self.window is None:
+            return 0
+        return -(-(self.window + 1) * len(self.sliding_layers) // len(self.cache_layers))
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class CacheView(Protocol):
 
     budget: int
     num_layers: int
+    layers: tuple[int, ...]  # the layers that evict (all but sliding-window layers), in order
     prompt_len: torch.Tensor  # (B,)
     seen: torch.Tensor  # (B,)
     valid: torch.Tensor  # (B, L)
@@ -108,7 +125,8 @@ class CacheView(Protocol):
 
     def keys(self, layer: int) -> torch.Tensor: ...  # (B, H, L, D), post-RoPE
     def values(self, layer: int) -> torch.Tensor: ...  # (B, H, L, D)
-    def positions(self, layer: int = 0) -> torch.Tensor: ...  # (B, H, L); -1 at holes
+    # (B, H, L); -1 at holes; layer None: the first of ``layers``
+    def positions(self, layer: int | None = None) -> torch.Tensor: ...
     def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 

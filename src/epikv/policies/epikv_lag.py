@@ -21,10 +21,11 @@ from epikv.policies.registry import register
 def layer_mean(view: CacheView, which: str) -> torch.Tensor:
     """Mean over layers of the cached keys or values, (B, H, L, D), one layer in memory at a time."""
     get = view.keys if which == "keys" else view.values
-    total = get(0).float().clone()
-    for layer in range(1, view.num_layers):
+    first, *rest = view.layers
+    total = get(first).float().clone()
+    for layer in rest:
         total += get(layer).float()
-    return total / view.num_layers
+    return total / len(view.layers)
 
 
 @register

@@ -21,11 +21,12 @@ from epikv.policies.registry import register
 
 
 def mean_key_variance(view: CacheView) -> torch.Tensor:
-    """Key variance over head_dim averaged over heads and all layers, (B, L)."""
-    total = scoring.key_variance(view.keys(0))
-    for layer in range(1, view.num_layers):
+    """Key variance over head_dim averaged over heads and every evicting layer, (B, L)."""
+    first, *rest = view.layers
+    total = scoring.key_variance(view.keys(first))
+    for layer in rest:
         total = total + scoring.key_variance(view.keys(layer))
-    return total / view.num_layers
+    return total / len(view.layers)
 
 
 def tiered_priority(
@@ -34,7 +35,7 @@ def tiered_priority(
     """Seg's keep priority per slot, (B, L): +inf for tokens chosen by the tier caps, ``within`` for
     the rest when ``fill`` is on, else -inf. Prompt and recent slots are protected by the cache."""
     variance = mean_key_variance(view)
-    positions = view.positions(0)[:, 0, :]
+    positions = view.positions()[:, 0, :]
     out = torch.full_like(within, float("-inf"))
     for b in range(within.shape[0]):  # rows of a batch, at compaction only
         slots = view.valid[b].nonzero().squeeze(-1)

@@ -68,14 +68,23 @@ class EpiKVSegQ(EpiKVSeg):
 
     def resolve(self, model: ModelInfo, bands: Bands | None = None) -> EpiKVSegQ:
         """Bands from the profile; queries at layer A+1 (the paper), or at A itself when Band A is the
-        model's last layer (a calibrated profile can put it there)."""
+        model's last layer (a calibrated profile can put it there). On a model with sliding-window
+        layers the queries must meet keys that evict: the first global layer from A+1 on (or the
+        last global layer before it)."""
         resolved = super().resolve(model, bands)
         layer = self.query_layer
         if layer is None:
             layer = min(resolved.band_a + 1, model.num_layers - 1)
+            later = [i for i in model.cache_layers if i >= max(layer, 1)]
+            layer = later[0] if later else max(model.cache_layers)
         if layer >= model.num_layers:
             raise ValueError(
                 f"{self.name}: query_layer={layer} is outside the model's layers 1..{model.num_layers - 1}"
+            )
+        if layer not in model.cache_layers:
+            raise ValueError(
+                f"{self.name}: query_layer={layer} is a sliding-window layer; its keys never evict "
+                f"(global layers: {list(model.cache_layers)})"
             )
         return replace(resolved, query_layer=layer)
 
@@ -112,7 +121,7 @@ class EpiKVSegQ(EpiKVSeg):
 
     def within_segment_score(self, state: EpiphanyState, view: CacheView) -> torch.Tensor:
         recent: RecentStates = state.extra
-        decode = view.valid & (view.positions(0)[:, 0, :] >= view.prompt_len[:, None])
+        decode = view.valid & (view.positions()[:, 0, :] >= view.prompt_len[:, None])
         z_s = scoring.masked_zscore(view.buffers["epiphany"][0, :, 0, :], decode)
         if not bool((recent.count > 0).any()):  # one host sync per compaction
             return z_s

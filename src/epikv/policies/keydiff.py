@@ -30,6 +30,4 @@ class KeyDiff(Policy):
     granularity = "layer_head"
 
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
-        return torch.stack(
-            [scoring.keydiff_scores(view.keys(layer), view.valid) for layer in range(view.num_layers)]
-        )
+        return torch.stack([scoring.keydiff_scores(view.keys(layer), view.valid) for layer in view.layers])

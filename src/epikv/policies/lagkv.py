@@ -52,7 +52,7 @@ class LagKV(Policy):
 
     def score(self, state: Any, view: CacheView) -> torch.Tensor:
         out = []
-        for layer in range(view.num_layers):
+        for layer in view.layers:
             keys = view.keys(layer)
             positions = view.positions(layer).expand(-1, keys.shape[1], -1)
             out.append(

@@ -70,8 +70,8 @@ class RKV(WindowedAttentionPolicy):
         in_window = torch.arange(length, device=view.valid.device) >= length - self.window
         past = view.valid & ~in_window
         out = []
-        for layer in range(view.num_layers):  # one L x L similarity matrix in memory at a time
-            importance = window_importance(rows[:, layer], past, self.kernel)
+        for g, layer in enumerate(view.layers):  # one L x L similarity matrix in memory at a time
+            importance = window_importance(rows[:, g], past, self.kernel)
             redundancy = scoring.key_redundancy(view.keys(layer), view.valid, self.threshold)
             z = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
             out.append(z.masked_fill(in_window, float("inf")))

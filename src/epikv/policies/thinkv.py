@@ -176,7 +176,7 @@ class ThinKV(AttentionPolicy):
             raise ValueError(f"{self.name}: kmeans_iters must be >= 0, got {self.kmeans_iters}")
 
     def default_layers(self, model: ModelInfo) -> tuple[int, ...]:
-        return tuple(range(max(0, model.num_layers - self.classifier_layers), model.num_layers))
+        return model.cache_layers[-self.classifier_layers :]
 
     def init_state(self, batch_size: int, model: ModelInfo, device: torch.device) -> AttentionState:
         state = super().init_state(batch_size, model, device)
@@ -206,7 +206,7 @@ class ThinKV(AttentionPolicy):
 
     def score(self, state: AttentionState, view: CacheView) -> torch.Tensor:
         stats: ThoughtStats = state.extra
-        positions = view.positions(0)[:, 0, :]
+        positions = view.positions()[:, 0, :]
         out = torch.full(positions.shape, float("-inf"), device=positions.device)
         recent = self.recent_window(view.budget)
         for b in range(positions.shape[0]):  # rows of a batch, at compaction only

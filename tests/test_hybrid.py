@@ -1,0 +1,86 @@
+"""Models with sliding-window layers (Gemma 3, OLMo-3, gpt-oss, EXAONE 4): global layers evict, each
+window is a ring the model's own window semantics hold over, by true position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epikv
+from epikv.engine.runner import Runner
+from epikv.integration import build_spec, model_info
+from epikv.models.tiny import tiny_model
+
+HYBRIDS = ("gemma3_text", "olmo3", "gpt_oss", "exaone4")
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request) -> torch.nn.Module:
+    return tiny_model(request.param)
+
+
+def test_tiny_hybrids_have_windows_shorter_than_the_tests(hybrid):
+    info = model_info(hybrid)
+    assert info.sliding_layers == (0, 2) and info.cache_layers == (1, 3) and info.window == 6
+
+
+def test_full_equals_plain_transformers_past_the_window_in_a_padded_batch(hybrid):
+    """Two rows of different prompt lengths (left padding), 40 new tokens, window 6: every ring turns
+    over several times, and the tokens are those of transformers' own hybrid cache."""
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    ref = hybrid.generate(ids, **kwargs)
+    with epikv.attach(hybrid, "full") as cache:
+        out = hybrid.generate(ids, cache=cache, **kwargs)
+    assert torch.equal(out, ref)
+
+
+def test_a_ring_holds_exactly_the_last_window(hybrid):
+    window = model_info(hybrid).window
+    with epikv.attach(hybrid, "streaming", budget=12) as cache:
+        logits = hybrid(input_ids=torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]]), cache=cache).logits
+        for _ in range(15):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            logits = hybrid(input_ids=token, cache=cache).logits
+            ring = cache.windows.arena
+            held = sorted(int(p) for p, v in zip(ring.positions[0, 0, 0], ring.valid[0], strict=True) if v)
+            seen = int(cache.seen[0])
+            assert held == list(range(seen - window, seen))
+            assert ring.keys[0].shape[2] == window + 1  # W slots and one that padding writes to
+    assert cache.stats()[0].evictions > 0
+
+
+def test_a_prompt_in_chunks_equals_one_pass(hybrid):
+    """A prompt longer than the window prefilled in chunks of 4 (the ring as it was, then each chunk's
+    own tokens, masked by position) gives the one-pass logits and the same next tokens."""
+    prompt = torch.randint(3, 97, (1, 15), generator=torch.Generator().manual_seed(5))
+    spec = build_spec(hybrid, "full")
+    outs = []
+    for chunk in (4, 64):
+        runner = Runner(hybrid, spec, prefill_chunk=chunk)
+        cache = runner.new_cache()
+        with runner.attachment:
+            logits = runner.prefill(cache, prompt[0].tolist())
+            tokens = []
+            for _ in range(10):
+                token = logits.reshape(-1).argmax().view(1, 1)
+                tokens.append(int(token))
+                logits = hybrid(input_ids=token, cache=cache).logits[:, -1]
+        outs.append((logits, tokens))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    assert outs[0][1] == outs[1][1]
+
+
+def test_only_global_layers_evict_and_sliding_layers_keep_their_window(hybrid):
+    with epikv.attach(hybrid, "epikv", budget=16, interval=4) as cache:
+        logits = hybrid(input_ids=torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]]), cache=cache).logits
+        for _ in range(30):
+            logits = hybrid(input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache).logits
+        stats = cache.stats()[0]
+        assert stats.evictions > 0 and stats.peak_cache_tokens <= 16 + 4
+        for i in model_info(hybrid).cache_layers:
+            assert cache.layers[i].keys.shape[2] <= 16 + 4
+        for i in model_info(hybrid).sliding_layers:
+            assert cache.layers[i].keys.shape[2] == model_info(hybrid).window + 1
