@@ -8,7 +8,7 @@ import json
 import pytest
 
 from epikv.cli import build_parser, main
-from epikv.integration.arch import ARCHITECTURES, PROVEN
+from epikv.integration.arch import ARCHITECTURES, HYBRID_PROVEN, PROVEN
 from epikv.policies import policy_class, policy_names
 from epikv.spec import parse_policy_params
 
@@ -35,11 +35,17 @@ def test_models_lists_every_architecture_with_its_query_path_and_the_refused_wit
     assert sorted(by_type) == sorted(ARCHITECTURES)
     assert by_type["phi3"]["query_path"] == "input_layernorm > qkv_proj[:Hq*d] > RoPE"
     assert by_type["olmo2"]["query_path"] == "(no input norm) > q_proj > q_norm (all heads) > RoPE"
-    assert all(row["proven"] == list(PROVEN) for row in listing["supported"])
+    assert by_type["gpt_oss"]["query_path"] == "input_layernorm > q_proj > RoPE > softmax with learned sinks"
+    for row in listing["supported"]:
+        hybrid = row["model_type"] in ("gemma3_text", "olmo3", "gpt_oss", "exaone4", "smollm3")
+        assert row["sliding_windows"] == hybrid
+        assert row["proven"] == list(PROVEN) + (list(HYBRID_PROVEN) if hybrid else [])
     refused = {row["model_type"]: row["reason"] for row in listing["not_yet"]}
-    assert "sliding-window" in refused["gemma3_text"] and "multi-head latent" in refused["deepseek_v3"]
+    assert "softcapping" in refused["gemma2"] and "multi-head latent" in refused["deepseek_v3"]
     assert main(["policies", "--models"]) == 0
-    assert "| `qwen3_moe` | input_layernorm > q_proj > q_norm (per head) > RoPE |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| `qwen3_moe` | input_layernorm > q_proj > q_norm (per head) > RoPE | refused |" in out
+    assert "| `gemma3_text` | input_layernorm > q_proj > q_norm (per head) > RoPE (table of the" in out
 
 
 def test_parse_params_by_field_type():

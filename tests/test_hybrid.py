@@ -11,12 +11,17 @@ from epikv.engine.runner import Runner
 from epikv.integration import build_spec, model_info
 from epikv.models.tiny import tiny_model
 
-HYBRIDS = ("gemma3_text", "olmo3", "gpt_oss", "exaone4")
+HYBRIDS = ("gemma3_text", "olmo3", "gpt_oss", "exaone4", "smollm3")
+WINDOWED = {
+    "smollm3": dict(
+        use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2
+    )
+}
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)
 def hybrid(request) -> torch.nn.Module:
-    return tiny_model(request.param)
+    return tiny_model(request.param, **WINDOWED.get(request.param, {}))
 
 
 def test_tiny_hybrids_have_windows_shorter_than_the_tests(hybrid):

@@ -130,6 +130,14 @@ PROVEN = (
 """What the tests prove for every entry of ARCHITECTURES on a tiny random-weight model built from its
 config class (tests/conftest.py ``arch_model`` enrolls each entry; a new entry is tested as it lands)."""
 
+HYBRID_PROVEN = (
+    "full == transformers' own hybrid cache past the window, in a left-padded batch",
+    "a sliding layer's ring holds exactly the last W tokens; only global layers evict",
+    "a prompt prefilled in chunks == one pass (ring, then each chunk, masked by position)",
+    "rings are counted in the KV pool: allocated bytes <= pool x bytes of a global-layer slot",
+)
+"""What tests/test_hybrid.py (and tests/engine/test_arena.py) add for the hybrid entries."""
+
 
 def text_config(model: nn.Module) -> Any:
     return model.config.get_text_config(decoder=True)
