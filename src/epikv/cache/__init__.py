@@ -1,13 +1,14 @@
 """The budgeted KV cache (see :mod:`epikv.cache.budgeted`): the preallocated KV arena (``arena``), a
 cache layer over it in transformers' contract (``layer``), the per-row books (``books``), the cache
-that owns budgets, rows and compaction (``budgeted``), and what policies and users read from it
-(``view``)."""
+that owns budgets, rows and compaction (``budgeted``) with its row verbs (``row_verbs``), the rings
+of sliding-window layers (``window``), and what policies and users read from it (``view``)."""
 
 from epikv.cache.arena import Arena, ArenaShape
 from epikv.cache.books import RowBooks
 from epikv.cache.budgeted import BudgetedCache, QueryProjector
 from epikv.cache.layer import BudgetedLayer
 from epikv.cache.view import SequenceStats, SlotView
+from epikv.cache.window import WindowLayer, Windows
 
 __all__ = [
     "Arena",
@@ -18,4 +19,6 @@ __all__ = [
     "RowBooks",
     "SequenceStats",
     "SlotView",
+    "WindowLayer",
+    "Windows",
 ]
