@@ -97,10 +97,17 @@ def test_full_policy_generates_what_plain_generate_does(gemma, prompts, which):
 def test_an_evicting_policy_stays_within_its_budget(gemma, prompts, name, which):
     model, tok = gemma
     budget, new_tokens = 64, 96  # the short prompt plus 96 tokens overflows 64
+    interval = 16 if name == "epikv" else None  # EpiKV's default tau (128) would not compact in 96
     ids, _ = encode_prompts(tok, [prompts[which]])
-    handle = epikv.attach(model, name, budget=budget)
+    handle = epikv.attach(model, name, budget=budget, interval=interval)
     with handle as cache:
         out = greedy(model, ids, new_tokens, cache=cache)
+    info = epikv.model_info(model)
+    assert len(info.sliding_layers) == 15 and len(info.cache_layers) == 3
+    for i in info.sliding_layers:  # a ring of the window and one slot that padding writes to
+        assert cache.layers[i].keys.shape[2] == info.window + 1 == 513
+    for i in info.cache_layers:
+        assert cache.layers[i].keys.shape[2] <= max(ids.shape[1], budget) + handle.spec.interval
     stats = cache.stats()[0]
     assert stats.tokens_seen == ids.shape[1] + new_tokens - 1
     assert stats.evictions > 0 and stats.evictions + stats.final_cache_tokens == stats.tokens_seen
@@ -113,14 +120,18 @@ def test_an_evicting_policy_stays_within_its_budget(gemma, prompts, name, which)
     assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
-@pytest.mark.parametrize("name", ["full", "streaming"])
-def test_a_request_in_a_batch_yields_what_it_yields_alone(gemma, prompts, name):
+@pytest.mark.parametrize(("name", "budget"), [("full", None), ("streaming", 64), ("epikv", 32)])
+def test_a_request_in_a_batch_yields_what_it_yields_alone(gemma, prompts, name, budget):
     from epikv.engine import Engine, Request
     from epikv.integration import build_spec
 
     model, tok = gemma
-    ids = encode_prompt_ids(tok, [prompts["long"], prompts["short"]])  # rows of 600+ and 9 tokens
-    spec = build_spec(model, name, 64)
+    # Rows of 600+ and 8 tokens: the long one's windows slide while the short one joins. EpiKV keeps
+    # its prompt whole, so it runs two short ones, at a budget both overflow, compacting every 8.
+    other = "Janet's ducks lay 16 eggs per day."
+    pair = [prompts["short"], other] if name == "epikv" else [prompts["long"], prompts["short"]]
+    ids = encode_prompt_ids(tok, pair)
+    spec = build_spec(model, name, budget, interval=8 if name == "epikv" else None)
     alone = [Engine(model, spec).run([Request(p, 32)])[0] for p in ids]
     engine, done = Engine(model, spec), {}
     first, second = Request(ids[0], 32), Request(ids[1], 32)
@@ -134,3 +145,4 @@ def test_a_request_in_a_batch_yields_what_it_yields_alone(gemma, prompts, name):
         assert got.token_ids == want.token_ids, (name, tok.decode(got.token_ids), tok.decode(want.token_ids))
         assert (got.peak_cache_tokens, got.evictions) == (want.peak_cache_tokens, want.evictions)
         assert got.peak_cache_tokens <= spec.peak_tokens(got.prompt_tokens, 32)
+    assert (done[first.id].evictions > 0) == (name != "full")
