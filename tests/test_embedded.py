@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import epikv
 from epikv.generation import SamplingConfig, encode_prompts, generate
+from tests.joining import check_joining_equals_alone
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +47,12 @@ def test_eviction_is_bounded_and_keeps_true_positions(smol):
 
 @pytest.mark.parametrize("name", ["full", "streaming", "epikv-flat", "epikv", "h2o"])
 def test_a_request_joining_a_running_batch_yields_what_it_yields_alone(smol, name):
-    from epikv.engine import Engine, Request
     from epikv.generation import encode_prompt_ids
     from epikv.integration import build_spec
 
     model, tok = smol
     ids = encode_prompt_ids(tok, ["Name three prime numbers.", "What is 7 times 8?"])
     interval = 8 if name == "epikv" else None  # several compactions within 32 tokens
-    spec = build_spec(model, name, 64, interval=interval)
-    alone = [Engine(model, spec).run([Request(p, 32)])[0] for p in ids]
-    engine, done = Engine(model, spec), {}
-    first, second = Request(ids[0], 32), Request(ids[1], 32)
-    engine.add(first)
-    for step in range(80):
-        if step == 9:
-            engine.add(second)  # joins while the first is mid-generation (and already evicting)
-        done.update((c.request_id, c) for c in engine.step())
-    for request, want in zip((first, second), alone, strict=True):
-        got = done[request.id]
-        assert got.token_ids == want.token_ids, name
-        assert (got.peak_cache_tokens, got.evictions) == (want.peak_cache_tokens, want.evictions)
-        assert got.peak_cache_tokens <= spec.peak_tokens(got.prompt_tokens, 32)
+    first, _ = check_joining_equals_alone(model, build_spec(model, name, 64, interval=interval), ids, name)
     if name != "full":
-        assert done[first.id].evictions > 0
+        assert first.evictions > 0

@@ -19,6 +19,7 @@ import torch
 
 import epikv
 from epikv.generation import encode_prompt_ids, encode_prompts
+from tests.joining import check_joining_equals_alone
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +123,6 @@ def test_an_evicting_policy_stays_within_its_budget(gemma, prompts, name, which)
 
 @pytest.mark.parametrize(("name", "budget"), [("full", None), ("streaming", 64), ("epikv", 32)])
 def test_a_request_in_a_batch_yields_what_it_yields_alone(gemma, prompts, name, budget):
-    from epikv.engine import Engine, Request
     from epikv.integration import build_spec
 
     model, tok = gemma
@@ -132,17 +132,5 @@ def test_a_request_in_a_batch_yields_what_it_yields_alone(gemma, prompts, name, 
     pair = [prompts["short"], other] if name == "epikv" else [prompts["long"], prompts["short"]]
     ids = encode_prompt_ids(tok, pair)
     spec = build_spec(model, name, budget, interval=8 if name == "epikv" else None)
-    alone = [Engine(model, spec).run([Request(p, 32)])[0] for p in ids]
-    engine, done = Engine(model, spec), {}
-    first, second = Request(ids[0], 32), Request(ids[1], 32)
-    engine.add(first)
-    for step in range(80):
-        if step == 9:
-            engine.add(second)  # joins while the first is mid-generation
-        done.update((c.request_id, c) for c in engine.step())
-    for request, want in zip((first, second), alone, strict=True):
-        got = done[request.id]
-        assert got.token_ids == want.token_ids, (name, tok.decode(got.token_ids), tok.decode(want.token_ids))
-        assert (got.peak_cache_tokens, got.evictions) == (want.peak_cache_tokens, want.evictions)
-        assert got.peak_cache_tokens <= spec.peak_tokens(got.prompt_tokens, 32)
-    assert (done[first.id].evictions > 0) == (name != "full")
+    first, _ = check_joining_equals_alone(model, spec, ids, name)
+    assert (first.evictions > 0) == (name != "full")
