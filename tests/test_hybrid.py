@@ -89,3 +89,35 @@ def test_only_global_layers_evict_and_sliding_layers_keep_their_window(hybrid):
             assert cache.layers[i].keys.shape[2] <= 16 + 4
         for i in model_info(hybrid).sliding_layers:
             assert cache.layers[i].keys.shape[2] == model_info(hybrid).window + 1
+
+
+def test_gemma3_multimodal_wrapper_evicts_in_its_text_model():
+    """Gemma 3 4B-27B load as Gemma3ForConditionalGeneration: the hooks sit on its base model, whose
+    forward takes our masks; the layers are its language model's. Text prompts only (no images)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from epikv.models.tiny import tiny_spec
+
+    text = {k: v for k, v in tiny_spec("gemma3_text").items() if k != "model_type"}
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+    )
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    ref = model.generate(ids, **kwargs)
+    with epikv.attach(model, "full") as cache:
+        assert torch.equal(model.generate(ids, cache=cache, **kwargs), ref)
+    with epikv.attach(model, "streaming", budget=12) as cache:
+        model.generate(ids, cache=cache, **kwargs)
+    assert all(s.evictions > 0 and s.peak_cache_tokens <= 13 for s in cache.stats())

@@ -186,7 +186,7 @@ def check_supported(model: nn.Module) -> ArchFacts:
             f"model type {model_type!r} has a sliding window in every layer (sliding_window={window}): "
             "there is no global layer to evict in, its cache is already bounded"
         )
-    if getattr(base_model(model), "rotary_emb", None) is None:
+    if getattr(text_model(model), "rotary_emb", None) is None:
         raise ValueError(f"model type {model_type!r} has no rotary embedding; true positions cannot be kept")
     attn = decoder_layers(model)[0].self_attn
     scaling = getattr(attn, "scaling", None)
@@ -202,8 +202,15 @@ def base_model(model: nn.Module) -> nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", "model"), model)
 
 
+def text_model(model: nn.Module) -> nn.Module:
+    """The decoder stack: the base model, or its ``language_model`` in a multimodal wrapper (Gemma 3
+    4B-27B), whose own forward hands the stack its masks (the hooks stay on the base model)."""
+    base = base_model(model)
+    return getattr(base, "language_model", base)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return base_model(model).layers
+    return text_model(model).layers
 
 
 def model_info(model: nn.Module) -> ModelInfo:
@@ -274,7 +281,7 @@ def rope_tables(
     model: nn.Module, spec: ArchFacts, layer: int, x: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``layer`` uses at ``positions`` (its layer kind's own, where tables differ)."""
-    rotary = base_model(model).rotary_emb
+    rotary = text_model(model).rotary_emb
     if spec.rope_by_layer_type:
         return rotary(x, positions, text_config(model).layer_types[layer])
     return rotary(x, positions)
