@@ -29,13 +29,20 @@ def test_tiny_hybrids_have_windows_shorter_than_the_tests(hybrid):
     assert info.sliding_layers == (0, 2) and info.cache_layers == (1, 3) and info.window == 6
 
 
+def padded_pair(high: int, seed: int, pads: int, new_tokens: int) -> tuple[torch.Tensor, dict]:
+    """Two prompts of 11 tokens, the second left-padded by ``pads``, and greedy generate's kwargs."""
+    ids = torch.randint(3, high, (2, 11), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :pads] = 0
+    return ids, dict(
+        attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )
+
+
 def test_full_equals_plain_transformers_past_the_window_in_a_padded_batch(hybrid):
     """Two rows of different prompt lengths (left padding), 40 new tokens, window 6: every ring turns
     over several times, and the tokens are those of transformers' own hybrid cache."""
-    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    ids, kwargs = padded_pair(97, seed=3, pads=4, new_tokens=40)
     ref = hybrid.generate(ids, **kwargs)
     with epikv.attach(hybrid, "full") as cache:
         out = hybrid.generate(ids, cache=cache, **kwargs)
@@ -111,10 +118,7 @@ def test_gemma3_multimodal_wrapper_evicts_in_its_text_model():
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config).eval()
-    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    ids, kwargs = padded_pair(90, seed=1, pads=3, new_tokens=30)
     ref = model.generate(ids, **kwargs)
     with epikv.attach(model, "full") as cache:
         assert torch.equal(model.generate(ids, cache=cache, **kwargs), ref)

@@ -76,6 +76,7 @@ class BudgetedCache(RowVerbs, Cache):
         )
         self.windows = windows or windows_for(model, self.arena)
         evicting = {layer: i for i, layer in enumerate(model.cache_layers)}
+        self._length_layer = model.cache_layers[0]  # the layer whose width is the cache's length
         sliding = {layer: i for i, layer in enumerate(model.sliding_layers)}
         super().__init__(
             layers=[
@@ -174,7 +175,7 @@ class BudgetedCache(RowVerbs, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Slots an evicting layer holds, whichever layer is asked (a sliding layer's ring is no length)."""
-        return self.layers[self.model.cache_layers[0]].get_seq_length()
+        return self.layers[self._length_layer].get_seq_length()
 
     def update(self, key_states, value_states, layer_idx: int, *args: Any, **kwargs: Any):
         kwargs["writes"] = self._writes

@@ -30,12 +30,34 @@ class Writes:
     row_ids: torch.Tensor | None = None
 
 
-class BudgetedLayer(CacheLayerMixin):
-    """Keys and values of one layer: views of the arena (rows x width), written in place."""
+class ArenaViewLayer(CacheLayerMixin):
+    """What every layer over arena storage shares: no storage of its own, nothing to initialise, and
+    none of the row verbs transformers' generate may call."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the cache allocates the storage before the first write."""
+
+    # The row verbs transformers' generate may call would move keys without their positions, books and
+    # policy state: the cache's own row operations (take_rows, append) are the only way rows move.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("beam search is not supported with a budgeted cache (its rows evict independently)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a budgeted cache cannot be cropped (assisted decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("a budgeted cache cannot repeat rows (use one row per sequence)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("a budgeted cache keeps rows through BudgetedCache.take_rows only")
+
+
+class BudgetedLayer(ArenaViewLayer):
+    """Keys and values of one layer: views of the arena (rows x width), written in place."""
 
     def __init__(self, arena: Arena, index: int) -> None:  # no super().__init__: keys are views
         self.arena, self.index = arena, index
@@ -65,9 +87,6 @@ class BudgetedLayer(CacheLayerMixin):
     def device(self) -> torch.device | None:
         return self.arena.device
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the cache allocates the arena before the first write."""
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         writes: Writes = kwargs["writes"]
         keys, values = self.arena.keys[self.index], self.arena.values[self.index]
@@ -95,17 +114,3 @@ class BudgetedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.rows = self.width = 0
-
-    # The row verbs transformers' generate may call would move keys without their positions, books and
-    # policy state: the cache's own row operations (take_rows, append) are the only way rows move.
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ValueError("beam search is not supported with a budgeted cache (its rows evict independently)")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a budgeted cache cannot be cropped (assisted decoding is not supported)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ValueError("a budgeted cache cannot repeat rows (use one row per sequence)")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise ValueError("a budgeted cache keeps rows through BudgetedCache.take_rows only")

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from epikv.cache.arena import Arena, ArenaShape
+from epikv.cache.layer import ArenaViewLayer
 
 
 class Windows:
@@ -72,20 +72,16 @@ class Windows:
         self.index = torch.where(keep, positions % window, torch.full_like(positions, window))
         self.row_ids = torch.arange(batch, device=positions.device)
         self.joined = q > 1
-        ring_pos = arena.positions[0, :batch, 0].long()
-        ring_valid = arena.valid[:batch]
-        if self.joined:
+        if self.joined:  # the ring as it was (copied before the writes below), then the new tokens
             new_pos = positions.masked_fill(~new_valid, -1)
             if self.fresh:
                 self.key_positions, self.key_valid = new_pos, new_valid
             else:
-                self.key_positions = torch.cat([ring_pos, new_pos], dim=-1)
-                self.key_valid = torch.cat([ring_valid, new_valid], dim=-1)
+                self.key_positions = torch.cat([arena.positions[0, :batch, 0].long(), new_pos], dim=-1)
+                self.key_valid = torch.cat([arena.valid[:batch], new_valid], dim=-1)
         rows = self.row_ids[:, None]
         arena.positions[:, rows, 0, self.index] = positions.to(torch.int32)[None]
-        arena.valid[rows, self.index] = keep
-        arena.valid[:batch, window] = False
-        arena.positions[:, :batch, 0, window] = -1
+        arena.valid[rows, self.index] = keep  # the spare slot W only ever takes keep=False
         if not self.joined:
             self.key_positions, self.key_valid = arena.positions[0, :batch, 0].long(), arena.valid[:batch]
         self.rows = batch
@@ -144,12 +140,10 @@ class Windows:
         self.rows, self.fresh = 0, True
 
 
-class WindowLayer(CacheLayerMixin):
+class WindowLayer(ArenaViewLayer):
     """One sliding-window layer's keys and values: views of its ring, written in place."""
 
     is_sliding = True
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, windows: Windows, index: int) -> None:  # no super().__init__: keys are views
         self.windows, self.index = windows, index
@@ -168,9 +162,6 @@ class WindowLayer(CacheLayerMixin):
     @property
     def device(self) -> torch.device | None:
         return self.windows.arena.device
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the cache allocates the rings before the first write."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         w = self.windows
