@@ -120,6 +120,24 @@ def test_qk_relevance_matches_explicit_softmax():
     assert got[1, 0] == 0
 
 
+def test_gqa_logits_pair_each_query_head_with_its_kv_head():
+    """Hand loop: query head i reads KV head i // (Hq / H), scaled by 1/sqrt(D), in float32 even
+    from bf16 inputs; a head pairing off by one group would fail."""
+    torch.manual_seed(1)
+    b, hq, h, q, length, d = 2, 6, 3, 2, 5, 4
+    queries, keys = torch.randn(b, hq, q, d).bfloat16(), torch.randn(b, h, length, d).bfloat16()
+    got = scoring.gqa_logits(queries, keys)
+    assert got.dtype == torch.float32 and got.shape == (b, hq, q, length)
+    for bi in range(b):
+        for head in range(hq):
+            for qi in range(q):
+                for j in range(length):
+                    want = (
+                        queries[bi, head, qi].float() @ keys[bi, head // (hq // h), j].float() / math.sqrt(d)
+                    )
+                    assert torch.isclose(got[bi, head, qi, j], want, atol=1e-5)
+
+
 def test_masked_zscore():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[True, True, True, False]])

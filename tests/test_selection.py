@@ -51,3 +51,17 @@ def test_protected_slots_rules():
         pos, torch.tensor([2]), torch.tensor([6]), protect_prompt=False, n_sink=1, recent=0
     )
     assert prot[0, 0, 0].tolist() == [True] + [False] * 6
+
+
+def test_gather_slots_equals_elementwise_gather_on_every_view_of_a_cache():
+    """The row-copy path (slots contiguous in storage) and the fallback give gather's exact values,
+    on the storage itself, views of its first slots, of some rows or heads, and a transposed view."""
+    torch.manual_seed(0)
+    store = torch.randn(7, 3, 50, 8)
+    views = [store, store[:, :, :20], store[2:5, :, :33], store[:, 1:, :12], store[[4, 1]][:, :, :10]]
+    views.append(store.transpose(2, 3)[:, :, :5])  # slots not contiguous: the fallback
+    for x in views:
+        for heads in (1, x.shape[1]):
+            index = torch.randint(0, x.shape[2], (x.shape[0], heads, 6))
+            full = index.expand(x.shape[0], x.shape[1], -1).unsqueeze(-1).expand(-1, -1, -1, x.shape[3])
+            assert torch.equal(gather_slots(x, index), x.gather(2, full))

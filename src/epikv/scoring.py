@@ -148,6 +148,16 @@ def segment_keep(
     return chosen
 
 
+def gqa_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q·kᵀ/√D in float32 of queries (B, Hq, q, D) against keys (B, H, L, D), Hq a multiple of H,
+    query head i reading KV head i // (Hq / H) (transformers' ``repeat_kv`` layout). Each KV head's
+    query heads are one matrix product, so the keys are never repeated. Returns (B, Hq, q, L)."""
+    b, hq, q, d = queries.shape
+    h, length = keys.shape[1], keys.shape[2]
+    grouped = queries.float().reshape(b, h, (hq // h) * q, d)
+    return (torch.matmul(grouped, keys.float().transpose(-1, -2)) / d**0.5).view(b, hq, q, length)
+
+
 def qk_relevance(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -164,10 +174,8 @@ def qk_relevance(
     softmax(q·kᵀ/√D) over slots with a causal mask (a key is visible to a query when its position is
     not after the query's), averaged over a row's real queries and all heads. Returns (B, L) float32.
     """
-    hq, d = queries.shape[1], queries.shape[3]
-    h = keys.shape[1]
-    k = keys.float().repeat_interleave(hq // h, dim=1)
-    logits = torch.einsum("bhwd,bhld->bhwl", queries.float(), k) / d**0.5
+    hq = queries.shape[1]
+    logits = gqa_logits(queries, keys)
     visible = key_valid[:, None, :] & (key_positions[:, None, :] <= query_positions[:, :, None])
     logits = logits.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)

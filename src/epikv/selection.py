@@ -83,10 +83,21 @@ def select_keep(
 
 
 def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Gather slots along dim -2 of x (B, H, L, D) with index (B, H or 1, k); returns (B, H, k, D)."""
+    """Gather slots along dim -2 of x (B, H, L, D) with index (B, H or 1, k); returns (B, H, k, D).
+
+    When each slot's D values are contiguous (a cache's storage, or a view of its first slots), the
+    slots are copied as whole rows of a 2-D view of the storage (``index_select``), an order of
+    magnitude faster on CPU than ``gather``, which indexes every element; same values either way."""
     b, h, _, d = x.shape
-    idx = index.expand(b, h, -1).unsqueeze(-1).expand(-1, -1, -1, d)
-    return x.gather(2, idx)
+    idx = index.expand(b, h, -1)
+    s_b, s_h, s_l, s_d = x.stride()
+    if s_d != 1 or s_l != d or s_h % d or s_b % d or x.storage_offset() % d or x.numel() == 0:
+        return x.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, d))
+    start = torch.arange(b, device=x.device)[:, None, None] * (s_b // d)
+    start = start + torch.arange(h, device=x.device)[None, :, None] * (s_h // d)
+    rows = (b - 1) * (s_b // d) + (h - 1) * (s_h // d) + x.shape[2]
+    flat = x.as_strided((rows, d), (d, 1))
+    return flat.index_select(0, (start + idx).reshape(-1)).view(b, h, -1, d)
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from epikv.bench import documents, loops
+from epikv.bench import documents, loops, loops_runs
 from epikv.bench.loops import LoopsConfig
 from epikv.cli import main
 from tests.ray_helpers import local_cluster, ray_test
@@ -81,7 +81,7 @@ def test_run_is_resumable_cell_by_cell(tiny_pair, problems_file, tmp_path, monke
     real = loops.generate_cell
 
     def counting(*args, **kwargs):
-        calls.append(args[3].policy.name)
+        calls.append((args[3].policy.name, len(args[2])))  # (policy, batches packed in one run)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loops, "generate_cell", counting)
@@ -90,26 +90,68 @@ def test_run_is_resumable_cell_by_cell(tiny_pair, problems_file, tmp_path, monke
     # another loop threshold needs no model: the parts keep the token ids
     looser = loops.run_loops(dataclasses.replace(config, loop_min_span=4), *tiny_pair)
     assert calls == [] and looser["results"]["plan"] == results["plan"]
-    # a longer cap is another computation: every part is made again
+    # a longer cap is another computation: every part is made again, one engine run per cell
     loops.run_loops(dataclasses.replace(config, max_new_tokens=25), *tiny_pair)
-    assert len(calls) == 8
+    assert calls == [("full", 2), ("streaming", 2), ("h2o", 2), ("h2o", 2)]
+    assert len(list((tmp_path / "parts").rglob("*.json"))) == 2 * 4  # the same parts, replaced
 
 
-def test_shards_split_batches_and_a_last_run_assembles(tiny_pair, problems_file, tmp_path, monkeypatch):
+def test_packing_batches_into_one_run_changes_no_token(tiny_pair, problems_file, tmp_path):
+    """A cell's batches run as one engine run with ``max_batch`` rows, refilled as problems finish:
+    each problem's generation equals the one from a run of it alone (one row at a time)."""
+    config = _config(problems_file, tmp_path)
+    model, tokenizer = tiny_pair
+    problems = loops_runs.load_problems(str(problems_file), 3, 0, tokenizer, config.system_prompt)
+    specs, _ = loops.plan_cells(model, config)
+    for name in ("full", "h2o@47", "streaming@47"):
+
+        def run(groups, rows, spec=specs[name]):
+            out = loops_runs.generate_cell(model, tokenizer, groups, spec, 24, frozenset({5}), rows)
+            return [r["token_ids"] for group in out for r in group]
+
+        alone = run([problems], 1)
+        assert run([problems], 3) == alone and run([problems[:1], problems[1:]], 2) == alone, name
+        assert len({len(t) for t in alone}) > 1, name  # rows leave at different steps (EOS = 5)
+
+
+def test_each_group_is_reported_once_as_it_completes(tiny_pair, problems_file, tmp_path):
+    config = _config(problems_file, tmp_path)
+    model, tokenizer = tiny_pair
+    problems = loops_runs.load_problems(str(problems_file), 3, 0, tokenizer, config.system_prompt)
+    specs, _ = loops.plan_cells(model, config)
+    seen = []
+    groups = [problems[:1], problems[1:]]
+    out = loops_runs.generate_cell(
+        model, tokenizer, groups, specs["h2o@47"], 24, frozenset(), 2, lambda g, r, s: seen.append((g, r, s))
+    )
+    assert sorted(g for g, _, _ in seen) == [0, 1] and all(s >= 0 for _, _, s in seen)
+    assert [r for _, r, _ in sorted(seen, key=lambda x: x[0])] == out and len(out[1]) == 2
+
+
+def test_shards_split_cells_and_a_last_run_assembles(tiny_pair, problems_file, tmp_path, monkeypatch):
     config = _config(problems_file, tmp_path, sweep_policies=(), sweep_budgets=())
     calls = []
     real = loops.generate_cell
 
     def counting(*args, **kwargs):
-        calls.append(len(args[2]))  # problems in the batch
+        calls.append(args[3].policy.name)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loops, "generate_cell", counting)
     first = loops.run_loops(dataclasses.replace(config, shard="1/2"), *tiny_pair)
-    assert first["results"]["batches"] == {"total": 2, "complete": 1} and calls == [1, 1, 1]
-    assert [p["id"] for p in first["results"]["problems"]] == ["2"]  # batch 1 holds problem 2
-    whole = loops.run_loops(config, *tiny_pair)
-    assert whole["results"]["batches"]["complete"] == 2 and calls == [1, 1, 1, 2, 2, 2]
+    assert first["results"]["batches"] == {"total": 2, "complete": 0} and calls == ["streaming"]
+    assert first["results"]["problems"] == []  # no batch has every cell yet
+    # a stopped run left batch 0 of full behind: the next shard computes only what is missing
+    loops.run_loops(dataclasses.replace(config, shard="0/2", problems=(2,)), *tiny_pair)
+    assert calls == ["streaming", "full", "h2o"]
+    whole = loops.run_loops(config, *tiny_pair)  # full's and h2o's batch 1 (problem 2), then assembly
+    assert whole["results"]["batches"]["complete"] == 2 and calls == [
+        "streaming",
+        "full",
+        "h2o",
+        "full",
+        "h2o",
+    ]
 
 
 def test_figure_and_tables_come_from_the_file(tiny_pair, problems_file, tmp_path, capsys):

@@ -83,7 +83,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--sweep-budgets": ("sweep_budgets", _ints, "equal-K sweep: comma-separated budgets"),
     "--references": ("references", _names, "policies every cell is tested against (paired)"),
     "--loop-min-span": ("loop_min_span", int, "loop detector: the periodic tail covers this many tokens"),
-    "--shard": ("shard", str, "I/N: compute every N-th batch only (parts kept for the others)"),
+    "--shard": ("shard", str, "I/N: compute shard I of N only (parts are kept for the run that assembles)"),
     "--shards": ("shards", int, "with --ray: shards run as Ray tasks"),
     "--ray": ("ray", str, "run --shards shards as Ray tasks: ADDRESS (auto, HOST:PORT) or local"),
     "--batch-size": ("batch_size", int, "prompts decoded together (one engine batch)"),

@@ -2,20 +2,21 @@
 GSM8K and MATH-500 under every policy at equal peak memory (issue 18).
 
 Each *cell* (a policy variant at one K) generates every problem greedily in the paper's chat
-protocol, up to a cap, one engine batch of ``batch_size`` problems at a time
-(:mod:`epikv.bench.loops_runs`). ``full`` is always a cell: every other cell's divergence is
-measured from its trace. The levels are peaks (each policy at K = peak - tau, :func:`epikv.spec.
-budget_at_peak`), plus a sweep of larger K for the policies that rank by a fixed score. Each
-(batch, cell) is kept in the parts store (:mod:`epikv.bench.parts`, as the fidelity study does) with
-the token ids, so a rerun computes only what is missing and loop thresholds can change without a
-model. ``--shard I/N`` computes only every N-th batch; ``--ray`` runs the N shards as Ray tasks on a
-shared parts folder, then the driver assembles them. Statistics: :mod:`epikv.bench.loops_summary`;
-figures: :mod:`epikv.bench.loops_plots`.
+protocol, up to a cap, in one engine run that decodes ``batch_size`` problems together and admits
+the next as soon as one finishes (:mod:`epikv.bench.loops_runs`). ``full`` is always a cell: every
+other cell's divergence is measured from its trace. The levels are peaks (each policy at
+K = peak - tau, :func:`epikv.spec.budget_at_peak`), plus a sweep of larger K for the policies that
+rank by a fixed score. Each (batch of ``batch_size`` problems, cell) is kept in the parts store
+(:mod:`epikv.bench.parts`, as the fidelity study does) with the token ids, so a rerun computes only
+what is missing and loop thresholds can change without a model. ``--shard I/N`` computes only every
+N-th cell; ``--ray`` runs the N shards as Ray tasks on a shared parts folder, then the driver
+assembles them. Statistics: :mod:`epikv.bench.loops_summary`; figures: :mod:`epikv.bench.loops_plots`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -49,8 +50,9 @@ class LoopsConfig:
     ``policies`` are names or variants ``name:key=value``; ``peaks`` give each evicting policy
     K = peak - tau; ``sweep_policies`` also run at each of ``sweep_budgets`` (equal K).
     ``references``: policies every cell is tested against, paired over problems. The loop detector
-    is the eval's (``loop_*``: its :class:`~epikv.eval.loops.LoopConfig`). ``shard`` I/N computes
-    every N-th batch only; ``ray`` (an address, or ``local``) runs ``shards`` shards as Ray tasks."""
+    is the eval's (``loop_*``: its :class:`~epikv.eval.loops.LoopConfig`). ``batch_size``: problems
+    decoded together, and the problems a part keeps. ``shard`` I/N computes every N-th cell only;
+    ``ray`` (an address, or ``local``) runs ``shards`` shards as Ray tasks."""
 
     model: str | None = None
     datasets: tuple[str, ...] = ("gsm8k", "math500")
@@ -177,9 +179,10 @@ def run_loops(
     tokenizer: Any = None,
     reporter: documents.Reporter | None = None,
 ) -> dict[str, Any]:
-    """Every problem x cell, ``batch_size`` problems at a time, finished parts kept in
-    ``parts_dir``; returns the document (per-problem facts, the summary, the plan, the cost). With
-    ``shard`` only that shard's batches are computed, and the summary counts the complete batches."""
+    """Every problem x cell, finished parts (batches of ``batch_size`` problems) kept in
+    ``parts_dir``; returns the document (per-problem facts, the summary, the plan, the cost). Each
+    cell's missing batches are one engine run decoding ``batch_size`` problems at a time. With
+    ``shard`` only that shard's cells are computed, and the summary counts the complete batches."""
     from epikv.generation import eos_ids
 
     reporter = reporter or documents.Reporter()
@@ -200,30 +203,43 @@ def run_loops(
     work = _batches(config, tokenizer)
     shard_index, shard_count = parse_shard(config.shard)
     loops = config.loop_config()
-    records: list[dict[str, Any]] = []
-    started, complete = time.perf_counter(), 0
-    costs: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    stores = {dataset: _parts(config, dataset) for dataset in config.datasets}
+    prints = [fingerprint_of([p.key for p in batch], settings) for _, _, batch in work]
+    results = [
+        {name: stores[d].get(b, name, cell_print(prints[g], spec)) for name, spec in specs.items()}
+        for g, (d, b, _) in enumerate(work)
+    ]
     bar = reporter.bar(len(work) * len(specs), "loops", unit="run")
-    for g, (dataset, b, batch) in enumerate(work):
-        parts = Parts(str(Path(config.parts_dir) / _safe(dataset)) if config.parts_dir else None)
-        fingerprint = fingerprint_of([p.key for p in batch], settings)
-        results: dict[str, list[dict[str, Any]] | None] = {}
-        for name, spec in specs.items():
-            results[name] = parts.get(b, name, cell_print(fingerprint, spec))
-            if results[name] is None and g % shard_count == shard_index:
-                t0 = time.perf_counter()
-                results[name] = generate_cell(model, tokenizer, batch, spec, config.max_new_tokens, stop)
-                seconds = time.perf_counter() - t0
-                parts.put(b, name, cell_print(fingerprint, spec), results[name], seconds)
-                log.info("%s batch %d %s: %.0f s, load %s", dataset, b, name, seconds, machine.load_average())
+    bar.update(sum(r is not None for cells in results for r in cells.values()))
+
+    def keep(name: str, missing: list[int], k: int, records: list[dict[str, Any]], seconds: float) -> None:
+        g = missing[k]
+        dataset, b, _ = work[g]
+        stores[dataset].put(b, name, cell_print(prints[g], specs[name]), records, seconds)
+        results[g][name] = records
+        log.info("%s batch %d %s: %.0f s, load %s", dataset, b, name, seconds, machine.load_average())
+        bar.update()
+
+    for name in list(specs)[shard_index::shard_count]:  # a shard computes every N-th cell
+        missing = [g for g in range(len(work)) if results[g][name] is None]
+        if missing:
             bar.set_postfix_str(name)
-            bar.update()
-        if any(result is None for result in results.values()):
-            continue  # another shard's batch, not finished yet
+            groups = [work[g][2] for g in missing]
+            done = functools.partial(keep, name, missing)
+            generate_cell(
+                model, tokenizer, groups, specs[name], config.max_new_tokens, stop, config.batch_size, done
+            )
+    records: list[dict[str, Any]] = []
+    costs: dict[str, dict[str, Any]] = {}
+    complete = 0
+    for g, (dataset, b, batch) in enumerate(work):
+        if any(result is None for result in results[g].values()):
+            continue  # another shard's cell, not finished yet
         complete += 1
-        records.extend(_problem_records(batch, results, loops))
-        for name, result in results.items():
-            _add_cost(costs.setdefault(name, {}), parts.cost(b, name), result)
+        records.extend(_problem_records(batch, results[g], loops))
+        for name, result in results[g].items():
+            _add_cost(costs.setdefault(name, {}), stores[dataset].cost(b, name), result)
     bar.close()
     results_doc = {
         "model": model_loading.model_name(model),
@@ -237,6 +253,10 @@ def run_loops(
         "summary": summarize_loops(records, plan, config.references),
     }
     return documents.make_document("loops", config, results_doc, config.device, reporter.specs)
+
+
+def _parts(config: LoopsConfig, dataset: str) -> Parts:
+    return Parts(str(Path(config.parts_dir) / _safe(dataset)) if config.parts_dir else None)
 
 
 def _batches(config: LoopsConfig, tokenizer: Any) -> list[tuple[str, int, list[Problem]]]:

@@ -1,20 +1,24 @@
 """Model runs of the loop study: the problems as chat prompts, and one cell's greedy generations
-on one batch of them.
+on groups of them.
 
-A generation is one engine run (:class:`epikv.engine.Engine`) over a batch, in the paper's chat
-protocol (:func:`epikv.eval.prompts.build_messages`), stopped at EOS or the cap, graded by the task
-(:meth:`epikv.eval.task.Task.evaluate`). It keeps the token ids, so loops and divergence are found
+A cell's generations are one engine run (:class:`epikv.engine.Engine`) over its groups (the
+study's batches), in the paper's chat protocol (:func:`epikv.eval.prompts.build_messages`), stopped
+at EOS or the cap, graded by the task (:meth:`epikv.eval.task.Task.evaluate`). A request's tokens do
+not depend on which others share its batch (the engine's batch-equals-alone guarantee), so packing
+groups into one run changes the cost only. It keeps the token ids, so loops and divergence are found
 later from the stored parts. It knows nothing of cells, levels or files (:mod:`epikv.bench.loops`).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from epikv.engine import Engine, Request
+from epikv.engine import Completion, Engine, Request, SchedulerLimits
 from epikv.eval.prompts import build_messages
 from epikv.eval.tasks import Example, Task, load_task
 from epikv.generation import encode_prompt_ids
@@ -55,41 +59,70 @@ def load_problems(dataset: str, count: int, offset: int, tokenizer: Any, system_
 def generate_cell(
     model: torch.nn.Module,
     tokenizer: Any,
-    batch: list[Problem],
+    groups: list[list[Problem]],
     spec: CacheSpec,
     max_new_tokens: int,
     stop_ids: frozenset[int],
-) -> list[dict[str, Any]]:
-    """Greedy generations of one batch under ``spec``, one record each: token ids, finish reason,
-    grade, the engine's first evicted index and cache statistics. A prompt the budget cannot hold
-    gets ``{"skipped": reason}`` (counted apart, never as wrong)."""
-    engine = Engine(model, spec)
-    out: list[dict[str, Any]] = [{} for _ in batch]
-    runs: list[tuple[int, Request]] = []
-    for i, problem in enumerate(batch):
-        request = Request(list(problem.prompt), max_new_tokens, stop_ids=stop_ids)
-        try:
-            engine.validate(request)
-        except ValueError as err:  # the budget cannot hold this prompt's protected tokens
-            out[i] = {"skipped": str(err), "prompt_tokens": len(problem.prompt)}
-            continue
-        runs.append((i, request))
-    done = engine.run([request for _, request in runs]) if runs else []
-    for (i, _), completion in zip(runs, done, strict=True):
-        problem = batch[i]
-        text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        grade = problem.task.evaluate(problem.example, text)
-        out[i] = {
-            "prompt_tokens": completion.prompt_tokens,
-            "token_ids": list(completion.token_ids),
-            "finish_reason": completion.finish_reason,
-            "correct": grade.correct,
-            "extracted": grade.extracted,
-            "first_evicted_index": completion.first_evicted_index,
-            "evictions": completion.evictions,
-            "compactions": completion.compactions,
-            "peak_cache_tokens": completion.peak_cache_tokens,
-            "mean_cache_tokens": completion.mean_cache_tokens,
-            "seconds": round(completion.seconds, 2),
-        }
+    max_batch: int | None = None,
+    on_group: Callable[[int, list[dict[str, Any]], float], None] | None = None,
+) -> list[list[dict[str, Any]]]:
+    """Greedy generations of every problem of ``groups`` under ``spec`` in one engine run that
+    decodes up to ``max_batch`` problems together and admits the next problem as soon as one
+    finishes (so a problem that runs to the cap does not leave its group's other rows idle). One
+    record per problem: token ids, finish reason, grade, the engine's first evicted index and cache
+    statistics; a prompt the budget cannot hold gets ``{"skipped": reason}`` (counted apart, never
+    as wrong). ``on_group(g, records, seconds)`` is called as soon as group ``g`` is complete, with
+    the wall seconds since the previous group completed (they add up to the run's time)."""
+    engine = Engine(model, spec, SchedulerLimits(max_batch=max_batch))
+    out: list[list[dict[str, Any]]] = [[{} for _ in group] for group in groups]
+    where: dict[int, tuple[int, int]] = {}  # request id -> (group, index in the group)
+    left = [len(group) for group in groups]
+    for g, group in enumerate(groups):
+        for i, problem in enumerate(group):
+            request = Request(list(problem.prompt), max_new_tokens, stop_ids=stop_ids)
+            try:
+                engine.submit(request)
+            except ValueError as err:  # the budget cannot hold this prompt's protected tokens
+                out[g][i] = {"skipped": str(err), "prompt_tokens": len(problem.prompt)}
+                left[g] -= 1
+                continue
+            where[request.id] = (g, i)
+    mark = time.perf_counter()
+
+    def complete(g: int) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        if on_group is not None:
+            on_group(g, out[g], now - mark)
+        mark = now
+
+    for g in range(len(groups)):
+        if not left[g]:
+            complete(g)
+    with engine:
+        while engine.has_work():
+            for completion in engine.step():
+                g, i = where[completion.request_id]
+                out[g][i] = _record(groups[g][i], completion, tokenizer)
+                left[g] -= 1
+                if not left[g]:
+                    complete(g)
     return out
+
+
+def _record(problem: Problem, completion: Completion, tokenizer: Any) -> dict[str, Any]:
+    text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    grade = problem.task.evaluate(problem.example, text)
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "correct": grade.correct,
+        "extracted": grade.extracted,
+        "first_evicted_index": completion.first_evicted_index,
+        "evictions": completion.evictions,
+        "compactions": completion.compactions,
+        "peak_cache_tokens": completion.peak_cache_tokens,
+        "mean_cache_tokens": completion.mean_cache_tokens,
+        "seconds": round(completion.seconds, 2),
+    }

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from epikv.integration.arch import ArchFacts, attention_queries, decoder_layers
+from epikv.scoring import gqa_logits
 
 MODES = ("recompute", "eager")
 CHUNK = 256  # query rows scored at once when recomputing (bounds memory to CHUNK x L per head)
@@ -112,15 +113,15 @@ def attention_rows(
     where the new tokens are the last q slots (causal among them) and ``valid`` (B, L) masks holes;
     ``sinks`` (Hq,) are learned logits joining each softmax (gpt-oss), whose share no key receives.
     Returns the last ``last`` rows (B, Hq, min(q, last), L) and the sum of all rows (B, Hq, L)."""
-    b, hq, q, d = queries.shape
+    b, hq, q, _ = queries.shape
     length = keys.shape[2]
-    k = keys.float().repeat_interleave(hq // keys.shape[1], dim=1)
+    keys = keys.float()  # once, not per chunk
     slots = torch.arange(length, device=keys.device)
     colsum = torch.zeros(b, hq, length, device=keys.device)
     tail = []
     for lo in range(0, q, CHUNK):  # one chunk in decoding; bounded memory for long prefills
         hi = min(lo + CHUNK, q)
-        logits = torch.einsum("bhqd,bhld->bhql", queries[:, :, lo:hi].float(), k) / d**0.5
+        logits = gqa_logits(queries[:, :, lo:hi], keys)
         query_slot = (length - q + torch.arange(lo, hi, device=keys.device))[:, None]
         visible = (slots[None, :] <= query_slot)[None, None] & valid[:, None, None, :]
         logits = logits.masked_fill(~visible, float("-inf"))
