@@ -20,8 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from epikv.policies.base import Bands, ModelInfo, Policy
 from epikv.policies.registry import get_policy, policy_class
+from epikv.selection import Selection, protected_slots, select_keep
 
 ATTENTION_MODES = ("recompute", "eager")
 
@@ -111,6 +114,30 @@ class CacheSpec:
             f"window ({p.recent_window(k)}) = {needed}; the smallest budget that holds them is {smallest}",
             smallest,
         )
+
+    def select(
+        self,
+        scores: torch.Tensor,
+        positions: torch.Tensor,
+        prompt_len: torch.Tensor,
+        seen: torch.Tensor,
+        valid: torch.Tensor,
+        budgets: Sequence[int],
+    ) -> Selection:
+        """The one keep rule, for every host (the budgeted cache, the vLLM plugin): the policy's
+        ``scores`` (G, B, H, L) over slots at true ``positions`` (G', B, H', L; -1 at holes), with the
+        prompt (or sinks) and each row's recent window protected, top-K per row at ``budgets`` (B,)."""
+        device = scores.device
+        recent = torch.tensor([self.policy.recent_window(k) for k in budgets], device=device)
+        protected = protected_slots(
+            positions if scores.shape[0] > 1 else positions[:1],
+            prompt_len,
+            seen,
+            protect_prompt=self.policy.protect_prompt,
+            n_sink=self.policy.n_sink,
+            recent=recent,
+        )
+        return select_keep(scores, protected, valid, torch.tensor(list(budgets), device=device))
 
     def row_budget(self, budget: int | None) -> int | None:
         """A row's K: ``budget`` (a request's own, at most the spec's), or the spec's when None."""

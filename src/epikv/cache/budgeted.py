@@ -31,7 +31,6 @@ from epikv.cache.view import SequenceStats, SlotView
 from epikv.cache.window import WindowLayer, Windows, windows_for
 from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import cat_rows, take_rows
-from epikv.selection import protected_slots, select_keep
 from epikv.spec import CacheSpec
 
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -309,19 +308,13 @@ class BudgetedCache(RowVerbs, Cache):
         every = order == list(range(self.batch_size))
         pick = slice(0, self.batch_size) if every else index
         width = self.width
-        row_budgets = [budgets[r] for r in order]
-        recent = torch.tensor([self.policy.recent_window(k) for k in row_budgets], device=device)
-        positions = self.arena.positions[:, pick, :, :width]
-        protected = protected_slots(
-            positions if scores.shape[0] > 1 else positions[:1],
+        sel = self.spec.select(
+            scores,
+            self.arena.positions[:, pick, :, :width],
             self.prompt_len[pick],
             self.seen[pick],
-            protect_prompt=self.policy.protect_prompt,
-            n_sink=self.policy.n_sink,
-            recent=recent,
-        )
-        sel = select_keep(
-            scores, protected, self.arena.valid[pick, :width], torch.tensor(row_budgets, device=device)
+            self.arena.valid[pick, :width],
+            [budgets[r] for r in order],
         )
         self.arena.keep(pick, sel.index, sel.valid, sel.kept, width)
         self.books.compacted(order, sel.kept.tolist())

@@ -1,0 +1,162 @@
+"""Compaction over a paged cache: the policy's view of some requests' slots, the one keep rule, and
+a hole-filling move.
+
+A request's tokens sit in its physical slots 0..held-1 in no particular order (a compaction fills the
+holes below the kept count with the kept tokens above it, so at most tau tokens move per layer).
+What a policy sees is ordered by true position, exactly as epikv's own cache holds it, so scores,
+ties and the kept set are the same rule on both hosts (:meth:`epikv.spec.CacheSpec.select`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from epikv.policies.base import ModelInfo
+from epikv.spec import CacheSpec
+from epikv.vllm.paged import PagedKV
+
+QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+_LAST = torch.iinfo(torch.int32).max
+
+
+class SlotStore:
+    """What the pool keeps beside each global slot: its true position and the policy's per-token
+    values, (G, H, slots) each, with G and H the policy's granularity (1 for a global mask)."""
+
+    def __init__(self, paged: PagedKV, spec: CacheSpec, model: ModelInfo, num_slots: int) -> None:
+        grain = spec.policy.granularity
+        self.paged, self.spec, self.model = paged, spec, model
+        self.groups = len(model.cache_layers) if "layer" in grain else 1
+        self.heads = model.num_kv_heads if "head" in grain else 1
+        self.positions = torch.full((self.groups, self.heads, num_slots), -1, dtype=torch.int32)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.num_slots = num_slots
+        self.project_queries: QueryProjector | None = None
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """New tokens at global ``slots`` (T,) with true ``positions`` (T,)."""
+        self.positions[:, :, slots] = positions.to(torch.int32)
+
+    def write_buffer(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """A policy's values (G, n, H) for the tokens at global ``slots`` (n,)."""
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = torch.zeros(values.shape[0], values.shape[2], self.num_slots)
+        buf[:, :, slots] = values.permute(0, 2, 1).to(buf.dtype)
+
+    def copy(
+        self, src: torch.Tensor, dst: torch.Tensor, groups: torch.Tensor | None, heads: torch.Tensor | None
+    ):
+        """Side values of slots ``src`` to ``dst`` (in one group / head each, or all of them)."""
+        for table in (self.positions, *self.buffers.values()):
+            g = slice(None) if groups is None or table.shape[0] == 1 else groups
+            h = slice(None) if heads is None or table.shape[1] == 1 else heads
+            if isinstance(g, slice) or isinstance(h, slice):
+                table[g, h, dst] = table[g, h, src]
+            else:
+                table[g, h, dst] = table[g, h, src]
+
+
+class PagedView:
+    """The read-only view a policy scores (``epikv.policies.base.CacheView``): some requests' slots
+    in true-position order. slots: (B, L) global slots of each row's physical slots 0..L-1 (any real
+    slot past a row's ``held``); held, prompt_len, seen: (B,)."""
+
+    def __init__(
+        self,
+        store: SlotStore,
+        slots: torch.Tensor,
+        held: torch.Tensor,
+        prompt_len: torch.Tensor,
+        seen: torch.Tensor,
+        budget: int,
+    ) -> None:
+        self._store = store
+        _b, width = slots.shape
+        self.budget = budget
+        self.layers: tuple[int, ...] = store.model.cache_layers
+        self.num_layers = len(self.layers)
+        self.prompt_len, self.seen = prompt_len, seen
+        self.slots = slots
+        self.valid = torch.arange(width)[None, :] < held[:, None]  # sorted: pads sort last
+        raw = store.positions[:, :, slots].permute(0, 2, 1, 3)  # (G, B, H, L)
+        keyed = raw.masked_fill(~self.valid[None, :, None, :], _LAST)
+        order = keyed.argsort(dim=-1, stable=True)
+        self.order = order  # view index -> physical slot index
+        self.sorted_positions = raw.gather(-1, order).masked_fill(~self.valid[None, :, None, :], -1).long()
+        self.view_slots = slots[None, :, None, :].expand_as(order).gather(-1, order)
+        self.buffers = {name: self._gather(buf) for name, buf in store.buffers.items()}
+
+    def _gather(self, table: torch.Tensor) -> torch.Tensor:
+        g = torch.arange(table.shape[0])[:, None, None, None]
+        h = torch.arange(table.shape[1])[None, None, :, None]
+        vs = self.view_slots[: table.shape[0], :, : table.shape[1]]
+        return table[g, h, vs]
+
+    def _group(self, layer: int) -> int:
+        return self.layers.index(layer) if self._store.groups > 1 else 0
+
+    def _head_slots(self, layer: int) -> torch.Tensor:
+        s = self.view_slots[self._group(layer)]  # (B, H or 1, L)
+        return s.expand(-1, self._store.paged.num_heads, -1)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self._store.paged.keys(layer, self._head_slots(layer)).float()
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self._store.paged.values(layer, self._head_slots(layer)).float()
+
+    def positions(self, layer: int | None = None) -> torch.Tensor:
+        return self.sorted_positions[self._group(self.layers[0] if layer is None else layer)]
+
+    def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._store.project_queries is None:
+            raise RuntimeError("epikv: this model cannot recompute queries in vLLM")
+        return self._store.project_queries(layer, hidden, positions)
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """What one compaction did: kept tokens per row (B,) and, per row, the kept true positions of the
+    first layer group and head (for traces)."""
+
+    kept: list[int]
+    positions: list[list[int]]
+
+
+def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> Compacted:
+    """Score ``view``'s rows with the policy, keep by the spec's rule, and fill each row's holes below
+    its kept count with the kept tokens above it (keys, values, positions, buffers)."""
+    scores = spec.policy.score(state, view)
+    b = view.slots.shape[0]
+    assert spec.budget is not None
+    sel = spec.select(
+        scores, view.sorted_positions, view.prompt_len, view.seen, view.valid, [spec.budget] * b
+    )
+    order = view.order
+    index = sel.index.expand(order.shape[0], -1, order.shape[2], -1)
+    kept_slot = order.gather(-1, index)  # (G, B, H, k) physical slot indices
+    width = order.shape[-1]
+    keep = torch.zeros(*order.shape[:-1], width + 1, dtype=torch.bool)
+    real = sel.valid[None, :, None, :].expand_as(kept_slot)
+    keep.scatter_(-1, torch.where(real, kept_slot, width), True)
+    keep = keep[..., :width]
+    below = torch.arange(width)[None, :] < sel.kept[:, None]  # (B, L)
+    holes = (~keep & below[None, :, None, :]).nonzero()
+    movers = (keep & ~below[None, :, None, :]).nonzero()
+    if holes.shape != movers.shape:  # the rule keeps exactly kept[b] slots per (group, row, head)
+        raise RuntimeError(f"epikv: compaction found {len(holes)} holes for {len(movers)} kept tokens")
+    src = view.slots[movers[:, 1], movers[:, 3]]
+    dst = view.slots[holes[:, 1], holes[:, 3]]
+    groups = movers[:, 0] if store.groups > 1 else None
+    heads = movers[:, 2] if store.heads > 1 else None
+    layers = None if groups is None else torch.tensor(store.model.cache_layers)[groups]
+    store.paged.move(src, dst, layers, heads)
+    store.copy(src, dst, groups, heads)
+    kept_positions = view.sorted_positions[0, :, 0].gather(-1, sel.index[0, :, 0])
+    rows = [kept_positions[r, : int(sel.kept[r])].tolist() for r in range(b)]
+    return Compacted(sel.kept.tolist(), rows)

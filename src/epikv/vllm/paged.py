@@ -1,0 +1,171 @@
+"""Keys and values in a paged KV cache, read and moved through the backend's own page layout.
+
+A paged cache keeps each layer as ``[num_blocks, H, B, 2D]`` pages (one page per block and KV head)
+inside one backing allocation. Where inside its page a token's key or value sits is the attention
+backend's business: vLLM's CPU backend stores a block's keys column-major (``[D, B]``) for its
+``vec`` kernels and packed for AMX. So nothing here assumes a layout: :func:`probe_layout` writes
+probe tokens through the backend's own writer into a scratch page and reads back where each
+(token, dim) landed, and every read and move goes through those offsets.
+
+Physical slot ``s`` of a request is token ``s % B`` of block ``block_ids[s // B]``; a *global slot*
+is ``block_id * B + s % B`` (one number per token slot of the pool, what vLLM's slot mapping holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# key (T, H, D), value (T, H, D), key pages (N, H, B, D), value pages (N, H, B, D), slots (T,)
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+_DIGIT = 64  # probe values stay below this: exact in fp16 and bf16
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Element offsets, inside one (block, head) page of ``2 * B * D`` elements, of token t's dim d:
+    ``key[t, d]`` and ``value[t, d]``, each (B, D) int64."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def both(self) -> torch.Tensor:
+        """(B, 2D): a token's key offsets, then its value offsets (what a move copies)."""
+        return torch.cat([self.key, self.value], dim=1)
+
+
+def probe_layout(write: Writer, block_size: int, head_dim: int, dtype: torch.dtype) -> PageLayout:
+    """Where the backend's writer puts each (token, dim) of a page, found by writing probes.
+
+    Four writes into a scratch page of one block and one head: the token index and the dim index,
+    each as two base-64 digits, so every probe value is exact in bf16. Raises if the writer does not
+    put every (token, dim) of the key and the value at its own element of the page."""
+    b, d = block_size, head_dim
+    offsets = {}
+    for part in ("key", "value"):
+        found = []
+        for kind in ("token", "dim"):
+            index = torch.arange(b)[:, None].expand(b, d) if kind == "token" else torch.arange(d).expand(b, d)
+            number = torch.zeros(2 * b * d, dtype=torch.long)
+            for digit in (1, _DIGIT):
+                page = torch.full((1, 1, 2 * b, d), -1.0, dtype=dtype)
+                key_pages, value_pages = page.chunk(2, dim=2)
+                data = ((index // digit) % _DIGIT).to(dtype)[:, None, :]  # (B, 1, D)
+                zeros = torch.zeros_like(data)
+                key, value = (data, zeros) if part == "key" else (zeros, data)
+                write(key, value, key_pages, value_pages, torch.arange(b, dtype=torch.long))
+                flat = page.reshape(-1).float()
+                other = (value_pages if part == "key" else key_pages).reshape(-1).float()
+                if bool((other > 0).any()):
+                    raise RuntimeError(f"layout probe: writing the {part} changed the other half of the page")
+                number = number + flat.clamp_min(0).long() * digit
+            found.append(number)
+        tokens, dims = found
+        written = _written(write, part, b, d, dtype)
+        where = written.nonzero().flatten()
+        if where.numel() != b * d:
+            raise RuntimeError(
+                f"layout probe: the backend wrote {where.numel()} elements of the {part} for {b * d} values"
+            )
+        table = torch.full((b, d), -1, dtype=torch.long)
+        table[tokens[where], dims[where]] = where
+        if bool((table < 0).any()):
+            raise RuntimeError(f"layout probe: some (token, dim) of the {part} has no element of its own")
+        offsets[part] = table
+    return PageLayout(offsets["key"], offsets["value"])
+
+
+def _written(write: Writer, part: str, b: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Which elements of a page the writer sets for the key (or the value) of all B tokens."""
+    page = torch.zeros((1, 1, 2 * b, d), dtype=dtype)
+    key_pages, value_pages = page.chunk(2, dim=2)
+    ones = torch.ones(b, 1, d, dtype=dtype)
+    zeros = torch.zeros_like(ones)
+    key, value = (ones, zeros) if part == "key" else (zeros, ones)
+    write(key, value, key_pages, value_pages, torch.arange(b, dtype=torch.long))
+    return page.reshape(-1) != 0
+
+
+class PagedKV:
+    """Every layer's pages as one flat tensor over their shared storage, with the layout's offsets.
+
+    layers: the per-layer ``[num_blocks, H, B, 2D]`` tensors, in layer order, all views of one
+    allocation with the same block and head strides."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], layout: PageLayout) -> None:
+        first = layers[0]
+        _, h, b, two_d = first.shape
+        if b != layout.block_size or two_d != 2 * layout.key.shape[1]:
+            raise ValueError(
+                f"pages {tuple(first.shape)} do not match the probed layout {tuple(layout.key.shape)}"
+            )
+        for layer in layers:
+            if layer.shape != first.shape or layer.stride() != first.stride():
+                raise ValueError("every layer's pages must have one shape and one set of strides")
+            if layer.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+                raise ValueError("the layers' pages are not views of one allocation")
+            if layer.stride(2) != two_d or layer.stride(3) != 1:
+                raise ValueError(f"a page must be contiguous, got strides {layer.stride()}")
+        self.num_layers, self.num_heads, self.block_size, self.head_dim = len(layers), h, b, two_d // 2
+        self.dtype = first.dtype
+        storage = first.untyped_storage()
+        self.flat = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            storage, 0, (storage.nbytes() // first.element_size(),), (1,)
+        )
+        self.layer_base = torch.tensor([layer.storage_offset() for layer in layers], dtype=torch.long)
+        self.block_stride, self.head_stride = first.stride(0), first.stride(1)
+        self.layout = layout
+        self._both = layout.both
+
+    # -- addresses ---------------------------------------------------------------------------------
+    def _page(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block offset in elements, token within its block) of global slots."""
+        return (slots // self.block_size) * self.block_stride, slots % self.block_size
+
+    def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Keys of ``layer`` at global slots (..., H, L), one row of slots per KV head -> (..., H, L, D)."""
+        return self._read(layer, slots, self.layout.key)
+
+    def values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Values of ``layer`` at global slots (..., H, L) -> (..., H, L, D)."""
+        return self._read(layer, slots, self.layout.value)
+
+    def _read(self, layer: int, slots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        block, token = self._page(slots)
+        head = torch.arange(self.num_heads)[:, None] * self.head_stride  # (H, 1)
+        base = self.layer_base[layer] + block + head
+        return self.flat[base[..., None] + table[token]]
+
+    # -- moving ------------------------------------------------------------------------------------
+    def move(
+        self, src: torch.Tensor, dst: torch.Tensor, layers: torch.Tensor | None, heads: torch.Tensor | None
+    ) -> None:
+        """Copy tokens' keys and values from global slots ``src`` to ``dst`` (both (P,), disjoint).
+
+        layers / heads: (P,) the one layer / head each pair moves in (per-layer / per-head eviction),
+        or None for every layer / head. One gather and one scatter over all layers together."""
+        if src.numel() == 0:
+            return
+        both = self._both  # (B, 2D)
+        s_block, s_tok = self._page(src)
+        d_block, d_tok = self._page(dst)
+        layer_term = (
+            self.layer_base[:, None, None, None]
+            if layers is None
+            else self.layer_base[layers][None, :, None, None]
+        )
+        head_term = (
+            (torch.arange(self.num_heads) * self.head_stride)[None, None, :, None]
+            if heads is None
+            else (heads * self.head_stride)[None, :, None, None]
+        )
+        src_idx = layer_term + head_term + (s_block[:, None] + both[s_tok])[None, :, None, :]
+        dst_idx = layer_term + head_term + (d_block[:, None] + both[d_tok])[None, :, None, :]
+        self.flat[dst_idx.reshape(-1)] = self.flat[src_idx.reshape(-1)]

@@ -1,0 +1,98 @@
+"""Per-request books and policy state inside vLLM's worker, keyed by request id, never by batch row.
+
+vLLM's runner moves rows when requests finish or join (``condense``), so each request keeps its own
+:class:`~epikv.cache.books.RowBooks` row and policy state. The decode rows of a step run as one
+batch in the runner's row order; the batch is rebuilt only when that order changes (the same
+take-rows/cat-rows protocol the epikv engine splices its rows with).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from epikv.cache.books import RowBooks
+from epikv.policies.base import ModelInfo
+from epikv.policies.rows import cat_rows, take_rows
+from epikv.spec import CacheSpec
+
+
+@dataclass
+class Record:
+    """One request: its books (one row) and its policy state (one row)."""
+
+    books: RowBooks
+    state: Any
+
+
+class Requests:
+    """Every running request's record, and the decode batch in the runner's current row order."""
+
+    def __init__(self, spec: CacheSpec, model: ModelInfo) -> None:
+        self.spec, self.model = spec, model
+        self.records: dict[str, Record] = {}
+        self.dropped: dict[str, int] = {}  # logical - physical tokens, what the slot mapping subtracts
+        self._order: list[str] = []
+        self._books: RowBooks | None = None
+        self._state: Any = None
+
+    def add(self, req_id: str, prompt_tokens: int) -> None:
+        policy = self.spec.policy
+        since = 0 if policy.first_compaction == "after_interval" else self.spec.interval
+        prompt = torch.tensor([prompt_tokens])
+        books = RowBooks.start(prompt, since, self.spec.budget, None)
+        self.records[req_id] = Record(books, policy.init_state(1, self.model, torch.device("cpu")))
+        self.dropped[req_id] = 0
+
+    def remove(self, req_id: str) -> Record | None:
+        """Forget a request; its final books (from the batch if it was decoding), or None."""
+        if req_id not in self.records:
+            return None
+        self._sync()
+        self.dropped.pop(req_id, None)
+        return self.records.pop(req_id)
+
+    def batch(self, req_ids: list[str]) -> tuple[RowBooks, Any]:
+        """Books and state of ``req_ids`` as one batch, rows in that order."""
+        if req_ids != self._order:
+            self._sync()
+            self._order = list(req_ids)
+            records = [self.records[r] for r in req_ids]
+            self._books = RowBooks.cat([r.books for r in records]) if records else None
+            self._state = cat_rows([r.state for r in records]) if records else None
+        assert self._books is not None
+        return self._books, self._state
+
+    def set_state(self, state: Any) -> None:
+        """The batch's state after a step (observe may replace fields; scoring may advance it)."""
+        self._state = state
+
+    def books_of(self, req_id: str) -> RowBooks:
+        """A request's current books (one row)."""
+        if req_id in self._order and self._books is not None:
+            return self._books.take([self._order.index(req_id)])
+        return self.records[req_id].books
+
+    def _sync(self) -> None:
+        """Write the batch's rows back into their records (before the batch changes)."""
+        if self._books is None:
+            return
+        for row, req_id in enumerate(self._order):
+            if req_id in self.records:
+                self.records[req_id] = Record(self._books.take([row]), take_rows(self._state, [row]))
+        self._order, self._books, self._state = [], None, None
+
+
+def score_rows(state: Any, rows: list[int], total: int, run: Any) -> tuple[Any, Any]:
+    """Run ``run(state_of_rows)`` on some rows of a batch state and put their (possibly advanced)
+    state back in place: returns (run's result, the whole batch's state)."""
+    if rows == list(range(total)):
+        return run(state), state
+    part = take_rows(state, rows)
+    result = run(part)
+    others = [r for r in range(total) if r not in rows]
+    merged = cat_rows([take_rows(state, others), part])
+    order = others + rows
+    return result, take_rows(merged, sorted(range(total), key=order.__getitem__))
