@@ -175,7 +175,7 @@ def test_admission_holds_the_pool_and_a_full_queue_is_429(serve_model, embedded_
         def watch() -> None:
             while not done.is_set():
                 seen["running"] = max(seen["running"], engine.running)
-                seen["reserved"] = max(seen["reserved"], engine.scheduler.reserved_slots)
+                seen["reserved"] = max(seen["reserved"], engine.reserved_slots)
                 time.sleep(0.002)
 
         with concurrent.futures.ThreadPoolExecutor(6) as pool:

@@ -63,7 +63,8 @@ class Request:
     on_compaction: observes what the cache kept (for studies; costs nothing when None).
     on_prompt_logits: hears every prompt position's logits from the prefill's own forwards (echoed
     prompt log-probabilities; projects every position onto the vocabulary, so only when set).
-    budget: this request's own K, at most the spec's (None = the spec's). prefix: a cache (batch 1,
+    budget: this request's own K, in 1..the spec's (None = the spec's; the engine's gate checks it,
+    :class:`~epikv.engine.admission.Admission`). prefix: a cache (batch 1,
     nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
     """
 
@@ -91,8 +92,6 @@ class Request:
             if not self.forced:
                 raise ValueError("forced tokens must not be empty")
             self.max_new_tokens = min(self.max_new_tokens, len(self.forced))
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"a request budget must be a positive number of tokens, got {self.budget}")
         self.stop_ids = frozenset(self.stop_ids)
 
     @property

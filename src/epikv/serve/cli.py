@@ -10,6 +10,7 @@ from typing import Any
 from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP
 from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
+from epikv.spec import ATTENTION_MODES
 from epikv.threads import THREADS_HELP, apply_threads
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def add_serve_parser(sub: Any) -> None:
         "--interval", type=int, default=None, help="compaction interval tau (default: the policy's)"
     )
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
-    p.add_argument("--attention", default="recompute", choices=("recompute", "eager"))
+    p.add_argument("--attention", default=ATTENTION_MODES[0], choices=ATTENTION_MODES)
     p.add_argument("--kv-pool", type=int, default=None, help="KV slots all running requests may reserve")
     p.add_argument(
         "--max-batch", type=int, default=None, help="requests decoded together (default: no limit)"
@@ -94,12 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from epikv.engine import SchedulerLimits
     from epikv.integration import build_spec
     from epikv.models import load_model, model_identity, resolve_dtype
-    from epikv.policies import policy_class
-    from epikv.spec import parse_budget, parse_policy_params
+    from epikv.spec import precheck
 
-    parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
+    budget = precheck(args.policy, args.budget, args.param)  # mistakes fail before the model loads
     http_limits, access = serve_limits(args)
-    budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
     threads = apply_threads(args.threads)
     dtype, dtype_note = resolve_dtype(args.dtype)
