@@ -81,6 +81,13 @@ def serve_limits(args: argparse.Namespace) -> tuple[ServeLimits, Any]:
     return limits_from_args(args), Access(args.api_key or None, args.protect_metrics)
 
 
+def batch_promise(dtype: Any) -> str:
+    """What a request in the running batch yields against its solo run, in ``dtype`` (README)."""
+    if str(dtype) == "torch.float32":
+        return "a batched request yields exactly its solo tokens"
+    return "a batched request may part from its solo tokens at a near tie (exact: --dtype float32)"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if ray_requested(args):
         return serve_on_ray(args)
@@ -102,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
     threads = apply_threads(args.threads)
     dtype, dtype_note = resolve_dtype(args.dtype)
-    threads = f"{threads}; {dtype_note}"
+    threads = f"{threads}; {dtype_note}; {batch_promise(dtype)}"
     model, tokenizer = load_model(args.model, dtype=dtype)
     spec = build_spec(
         model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param
