@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -101,12 +101,15 @@ class Request:
 
 @dataclass
 class Completion:
-    """What one request produced and what the cache did while it ran.
+    """What one request produced and what the cache did while it ran: the one record of a finished
+    sequence, from the engine through ``generate`` to evaluation.
 
     finish_reason: ``eos`` (a stop id), ``stop`` (``on_token`` asked), ``length``, or ``cancelled``.
     first_evicted_index: index of the first token chosen from logits of a cache that had already
     evicted (None if it never did). seconds: from the request's prefill to its last token.
     mean_cache_tokens: tokens the row held per decode step, averaged (None if it never decoded).
+    text: the tokens decoded, set by a client that has the tokenizer (``generate``); the engine
+    knows none and leaves it empty.
     """
 
     request_id: int
@@ -121,3 +124,12 @@ class Completion:
     prefill_seconds: float
     seconds: float
     mean_cache_tokens: float | None = None
+    text: str = ""
+
+    @property
+    def tokens_generated(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, and ``tokens_generated``, as JSON-ready values."""
+        return {**asdict(self), "tokens_generated": self.tokens_generated}
