@@ -1,13 +1,16 @@
 """The one decode engine: a running batch of requests over one budgeted cache.
 
 Every decode in epikv — ``generate``, ``eval``, the fidelity and speed benchmarks, calibration and the
-server — is a client of :class:`Engine`. Requests are *submitted* to the scheduler and *added* when
-admitted: each is prefilled alone into a cache of its own and spliced into the running batch (its
-cache rows, true positions, validity and the policy's per-row state), so a request yields the tokens
-it yields alone. :meth:`Engine.step` admits what fits, runs one forward for every live row, picks
-one token per row (or feeds the forced one) and lets finished rows go, freeing their slots.
-It owns the requests' lifetimes; the scheduler owns admission, the cache owns memory, the runner
-runs the model.
+server — is a client of :class:`Engine`. A request passes the gate once (:meth:`Engine.validate`:
+can it ever run here, and how many slots it reserves), is *submitted* to the scheduler with that
+reservation and *added* when admitted: it is prefilled alone into a row of its own and spliced into
+the running batch (its cache rows, true positions, validity and the policy's per-row state), so in
+float32 a request yields the tokens it yields alone (in bfloat16 up to rounding: README).
+:meth:`Engine.step` admits what fits, runs one forward for every live row, picks one token per row
+(or feeds the forced one) and lets finished rows go. :attr:`Engine.rows` is the one list of who
+runs, each row with its reservation, so a row that leaves has freed its slots. It owns the
+requests' lifetimes; the gate owns whether a request fits, the scheduler when it runs, the cache
+the memory, the runner the model.
 """
 
 from __future__ import annotations
