@@ -52,10 +52,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from epikv.generation import SamplingConfig, generate
     from epikv.integration import attention_implementation, build_spec
     from epikv.models import load_model, model_identity, resolve_dtype
-    from epikv.spec import parse_budget, parse_policy_params
+    from epikv.spec import precheck
 
-    parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
-    budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
+    budget = precheck(args.policy, args.budget, args.param)  # mistakes fail before the model loads
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
     threads = apply_threads(args.threads)  # said after the model loads: a mistake stays one line
     dtype, dtype_note = resolve_dtype(args.dtype)

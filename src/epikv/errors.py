@@ -8,7 +8,11 @@ process is writing) and ``ImportError`` (a missing optional package). Anything e
 keeps its traceback. ``--verbose`` keeps the traceback of user errors too.
 
 A command that is interrupted says what it kept by raising :class:`Interrupted` with that summary.
-It knows no command.
+
+It also holds the one family of admission errors (:class:`AdmissionError`): what the engine's gate
+(:mod:`epikv.engine.admission`) and the spec's budget rules raise for a request that can never run,
+each naming the request field to blame, and :class:`QueueFull` for one that cannot wait now.
+It knows no command and imports nothing of epikv, so the spec and the engine can both raise them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,43 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command killed by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as `yes | head` reports its writer
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError)
+
+
+class AdmissionError(ValueError):
+    """A request that can never run on this engine, however long it waited. ``field`` names the
+    request's field to blame (``budget``, ``prompt``, ``max_new_tokens``), so a server maps each to
+    its own parameter without asking which class it is."""
+
+    field = "prompt"
+
+
+class BudgetOutOfRange(AdmissionError):
+    """A request's own budget outside 1..the engine's K (or set at all for a spec that keeps all)."""
+
+    field = "budget"
+
+
+class PromptTooLong(AdmissionError):
+    """A prompt longer than the model's context: no budget helps."""
+
+
+class BudgetTooSmall(AdmissionError):
+    """A budget cannot hold a prompt's protected tokens; ``min_budget`` is the smallest that can."""
+
+    def __init__(self, message: str, min_budget: int) -> None:
+        super().__init__(message)
+        self.min_budget = min_budget
+
+
+class PoolTooSmall(AdmissionError):
+    """A request needs more cache slots than the whole KV pool holds: no wait would admit it."""
+
+    field = "max_new_tokens"
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its limit: not a mistake in the request, so not a ValueError (a server
+    answers 429 and the client retries)."""
 
 
 class Interrupted(KeyboardInterrupt):

@@ -3,7 +3,8 @@
 It owns tokenising prompts (chat template or raw text), turning a :class:`SamplingConfig` into
 engine requests (row i of a call samples with its own generator, seeded from the config's seed and
 the prompt, so a prompt draws the same tokens whatever batch or resume it runs in), and turning
-completions into per-sequence results, and the :class:`ChatGenerator` that evaluation calls. The
+completions' tokens into their text (the :class:`~epikv.engine.Completion` is the one record of a
+finished sequence, here as in evaluation), and the :class:`ChatGenerator` that evaluation calls. The
 decoding itself is :class:`epikv.engine.Engine`'s.
 ``model.generate(..., cache=cache)`` works too (see :func:`epikv.attach`).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,41 +50,6 @@ class SamplingConfig:
     def for_row(self, seed: int) -> SamplingParams:
         """The engine's sampling of one row, seeded with ``seed`` (see :func:`row_seed`)."""
         return SamplingParams(self.temperature, self.top_p, seed)
-
-
-@dataclass
-class SequenceResult:
-    """One generated sequence and what the cache did while writing it."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    tokens_generated: int
-    finish_reason: str  # "eos" | "length" | "stop"
-    peak_cache_tokens: int
-    final_cache_tokens: int
-    evictions: int
-    seconds: float
-    mean_cache_tokens: float | None = None  # tokens held per decode step, averaged
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def of(cls, completion: Completion, text: str) -> SequenceResult:
-        """The result of an engine completion whose tokens decode to ``text``."""
-        return cls(
-            text=text,
-            token_ids=completion.token_ids,
-            prompt_tokens=completion.prompt_tokens,
-            tokens_generated=len(completion.token_ids),
-            finish_reason=completion.finish_reason,
-            peak_cache_tokens=completion.peak_cache_tokens,
-            final_cache_tokens=completion.final_cache_tokens,
-            evictions=completion.evictions,
-            seconds=completion.seconds,
-            mean_cache_tokens=completion.mean_cache_tokens,
-        )
 
 
 def encode_prompt_ids(tokenizer: Any, prompts: Sequence[Prompt], chat: bool = True) -> list[list[int]]:
@@ -161,7 +127,7 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     on_prefill: Callable[[int, int, int], None] | None = None,
     **policy_params: Any,
-) -> list[SequenceResult]:
+) -> list[Completion]:
     """Generate for a batch of prompts under one policy (a name, a policy or a :class:`CacheSpec`)
     and budget; returns one result per prompt. ``on_token(row, token_id)`` streams every token;
     ``on_prefill(row, done, total)`` follows the prefill of a prompt long enough to run in chunks."""
@@ -175,9 +141,9 @@ def generate(
         if on_prefill is not None:
             request.on_prefill = lambda done, total, row=row: on_prefill(row, done, total)
     completions = Engine(model, spec).run(requests)
-    return [
-        SequenceResult.of(c, tokenizer.decode(c.token_ids, skip_special_tokens=True)) for c in completions
-    ]
+    for completion in completions:
+        completion.text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    return completions
 
 
 class ChatGenerator:
@@ -190,7 +156,7 @@ class ChatGenerator:
         self.resolved_policy: dict[str, Any] = spec.policy.config()
         self.context_length = model_info(model).context_length
 
-    def __call__(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[SequenceResult]:
+    def __call__(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
         return generate(self.model, self.tokenizer, prompts, self.spec, sampling=sampling)
 
     def fit(self, prompts: Sequence[Prompt]) -> list[PromptFit]:

@@ -22,19 +22,13 @@ from typing import Any
 
 import torch
 
+from epikv.errors import BudgetOutOfRange, BudgetTooSmall
 from epikv.policies.base import Bands, ModelInfo, Policy
 from epikv.policies.registry import get_policy, policy_class
 from epikv.selection import Selection, protected_slots, select_keep
 
 ATTENTION_MODES = ("recompute", "eager")
-
-
-class BudgetTooSmall(ValueError):
-    """A budget cannot hold a prompt's protected tokens; ``min_budget`` is the smallest that can."""
-
-    def __init__(self, message: str, min_budget: int) -> None:
-        super().__init__(message)
-        self.min_budget = min_budget
+"""Where attention rows come from (:mod:`epikv.integration.attention`); every command offers these."""
 
 
 @dataclass(frozen=True)
@@ -144,9 +138,11 @@ class CacheSpec:
         if budget is None:
             return self.budget
         if self.budget is None:
-            raise ValueError(f"policy {self.policy.name!r} keeps every token: a request budget cannot be set")
+            raise BudgetOutOfRange(
+                f"policy {self.policy.name!r} keeps every token: a request budget cannot be set"
+            )
         if not 0 < budget <= self.budget:
-            raise ValueError(
+            raise BudgetOutOfRange(
                 f"a request's budget must be in 1..{self.budget}, at most the engine's (its spec's K), "
                 f"got {budget}"
             )
@@ -186,6 +182,15 @@ class CacheSpec:
         if self.bands is not None:
             text += f" bands A={self.bands.band_a} B={self.bands.band_b} ({self.bands.origin})"
         return text
+
+
+def precheck(policy: str, budget: int | str | None, params: Sequence[str] = ()) -> int | None:
+    """The model-free part of :meth:`CacheSpec.build`, which every command line runs before it loads
+    a model: the policy's name and ``key=value`` parameters, and the budget (None for a policy that
+    keeps every token, whatever was asked). A ValueError names the bad value."""
+    kind = policy_class(policy)
+    parse_policy_params(kind, params)
+    return parse_budget(budget) if kind.evicts else None
 
 
 def parse_budget(value: int | str | None) -> int | None:

@@ -54,7 +54,7 @@ def staggered(model, spec, requests: list[Request], joins: dict[int, int]) -> di
             for completion in engine.step():
                 done[completion.request_id] = completion
             step += 1
-    assert engine.cache.batch_size == 0 and engine.scheduler.reserved_slots == 0
+    assert engine.cache.batch_size == 0 and engine.reserved_slots == 0
     return done
 
 
@@ -166,7 +166,7 @@ def test_admission_holds_the_pool(tiny_llama):
     while engine.has_work():
         order += [c.request_id for c in engine.step()]
         running.append(engine.running)
-        assert engine.scheduler.reserved_slots <= engine.scheduler.limits.kv_pool
+        assert engine.reserved_slots <= engine.scheduler.limits.kv_pool
     assert max(running) == 2 and order == [r.id for r in requests]
     with pytest.raises(ValueError, match="the whole KV pool holds"):
         Engine(tiny_llama, build_spec(tiny_llama, "full"), SchedulerLimits(kv_pool=30)).submit(

@@ -6,26 +6,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from epikv.engine import PromptFit, prompt_fit
+from epikv.engine import Completion, PromptFit, prompt_fit
 from epikv.eval.prompts import Messages
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec
 
 
 @dataclass
-class FakeResult:
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int = 10
-    tokens_generated: int = 0
+class FakeResult(Completion):
+    """The engine's record of a finished sequence (text set, as ``generate`` returns it), with
+    defaults for everything a test does not script."""
+
+    request_id: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "eos"
+    prompt_tokens: int = 10
     peak_cache_tokens: int = 0
     final_cache_tokens: int = 0
     evictions: int = 0
+    compactions: int = 0
+    first_evicted_index: int | None = None
+    prefill_seconds: float = 0.0
     seconds: float = 1.0
-
-    def __post_init__(self) -> None:
-        self.tokens_generated = self.tokens_generated or len(self.token_ids)
 
 
 def boxed(answer: str, n_tokens: int = 20) -> FakeResult:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.error
+import urllib.request
 
 import httpx
 import openai
@@ -97,6 +99,34 @@ def test_body_size_depth_and_prompt_limits(keyed):
     assert long.json()["error"]["param"] == "messages"
 
 
+def urllib_post(server, body, key: str | None = KEY) -> tuple[int, dict]:
+    """POST with Python's urllib, which writes the whole body before it reads (and asks to close)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+@pytest.mark.parametrize(
+    "body, key, status, code",
+    [
+        (b"x" * (10 << 20), KEY, 413, "request_too_large"),  # Content-Length over the limit
+        (iter([b"x" * (1 << 20)] * 10), KEY, 413, "request_too_large"),  # chunked: cut off as it comes
+        (b"x" * (10 << 20), None, 401, "invalid_api_key"),
+    ],
+    ids=["declared", "chunked", "no key"],
+)
+def test_a_client_that_writes_before_it_reads_gets_its_answer(keyed, body, key, status, code):
+    started = time.monotonic()
+    got, answer = urllib_post(keyed, body, key)  # was "connection reset by peer" for a 10 MB body
+    assert (got, answer["error"]["code"]) == (status, code)
+    assert time.monotonic() - started < 30
+    assert post(keyed, hi()).status_code == 200  # and the server still serves
+
+
 def test_past_the_deadline_the_row_is_freed_and_the_client_told(serve_model, embedded_tokenizer, spec):
     limits = ServeLimits(request_timeout_s=0.5)
     server = start(serve_model, embedded_tokenizer, spec, None, 4000, serve_limits=limits)
@@ -110,7 +140,7 @@ def test_past_the_deadline_the_row_is_freed_and_the_client_told(serve_model, emb
         assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
         assert events[-1] == "data: [DONE]"
         engine = server.worker.engine
-        assert engine.running == 0 and engine.scheduler.reserved_slots == 0
+        assert engine.running == 0 and engine.reserved_slots == 0
         assert 'epikv_requests_total{outcome="deadline"} 2.0' in httpx.get(f"{server.url}/metrics").text
     finally:
         stop(server)

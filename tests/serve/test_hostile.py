@@ -176,4 +176,4 @@ def test_no_traceback_and_still_serving(guarded):
     response = httpx.post(f"{guarded.url}{CHAT}", content=chat(max_tokens=2), headers=AUTH, timeout=30)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 2
     engine = guarded.worker.engine
-    assert engine.running == 0 and engine.scheduler.reserved_slots == 0
+    assert engine.running == 0 and engine.reserved_slots == 0

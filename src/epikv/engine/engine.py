@@ -1,18 +1,20 @@
 """The one decode engine: a running batch of requests over one budgeted cache.
 
 Every decode in epikv — ``generate``, ``eval``, the fidelity and speed benchmarks, calibration and the
-server — is a client of :class:`Engine`. Requests are *submitted* to the scheduler and *added* when
-admitted: each is prefilled alone into a cache of its own and spliced into the running batch (its
-cache rows, true positions, validity and the policy's per-row state), so a request yields the tokens
-it yields alone. :meth:`Engine.step` admits what fits, runs one forward for every live row, picks
-one token per row (or feeds the forced one) and lets finished rows go, freeing their slots.
-It owns the requests' lifetimes; the scheduler owns admission, the cache owns memory, the runner
-runs the model.
+server — is a client of :class:`Engine`. A request passes the gate once (:meth:`Engine.validate`:
+can it ever run here, and how many slots it reserves), is *submitted* to the scheduler with that
+reservation and *added* when admitted: it is prefilled alone into a row of its own and spliced into
+the running batch (its cache rows, true positions, validity and the policy's per-row state), so in
+float32 a request yields the tokens it yields alone (in bfloat16 up to rounding: README).
+:meth:`Engine.step` admits what fits, runs one forward for every live row, picks one token per row
+(or feeds the forced one) and lets finished rows go. :attr:`Engine.rows` is the one list of who
+runs, each row with its reservation, so a row that leaves has freed its slots. It owns the
+requests' lifetimes; the gate owns whether a request fits, the scheduler when it runs, the cache
+the memory, the runner the model.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,52 +22,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from epikv.cache import BudgetedCache
+from epikv.cache import BudgetedCache, SequenceStats
+from epikv.engine.admission import Admission
 from epikv.engine.request import Completion, Request
 from epikv.engine.runner import Runner, new_generator, pick
-from epikv.engine.scheduler import Scheduler, SchedulerLimits
+from epikv.engine.scheduler import Scheduler, SchedulerLimits, footprint
 from epikv.integration import model_info
 from epikv.spec import CacheSpec
-
-log = logging.getLogger(__name__)
-
-
-class PromptTooLong(ValueError):
-    """A prompt longer than the model's context: no budget helps."""
-
-
-@dataclass(frozen=True)
-class PromptFit:
-    """Whether a prompt can run: its length, why not (None when it can), and the smallest budget that
-    holds its protected tokens (None for a spec that never evicts, or when no budget helps)."""
-
-    prompt_tokens: int
-    problem: str | None = None
-    min_budget: int | None = None
-
-
-def prompt_fit(
-    spec: CacheSpec, context_length: int | None, prompt_tokens: int, budget: int | None = None
-) -> PromptFit:
-    """The rules :meth:`Engine.validate` applies to a prompt, as data, so callers can check many
-    prompts before any compute: longer than the model's context (no budget helps), or protected
-    tokens that do not fit the budget (``budget``: a request's own K; None = the spec's)."""
-    if context_length is not None and prompt_tokens > context_length:
-        problem = f"the prompt has {prompt_tokens} tokens but the model's context is {context_length} tokens"
-        return PromptFit(prompt_tokens, problem)
-    smallest = spec.min_budget(prompt_tokens) if spec.evicts else None
-    try:
-        spec.check_prompt(prompt_tokens, budget)
-    except ValueError as error:
-        return PromptFit(prompt_tokens, str(error), smallest)
-    return PromptFit(prompt_tokens, None, smallest)
 
 
 @dataclass
 class _Live:
-    """A request that has been prefilled (row i of the running cache is ``Engine.rows[i]``)."""
+    """A request that has been prefilled (row i of the running cache is ``Engine.rows[i]``), with the
+    cache slots it reserved (its row's own width in the arena; the windows' rings included)."""
 
     request: Request
+    slots: int
     generator: torch.Generator | None
     started: float
     prefill_seconds: float = 0.0
@@ -100,10 +72,13 @@ class Engine:
         self.runner = Runner(model, spec)
         self.scheduler: Scheduler[Request] = Scheduler(limits)
         self.cache = self.runner.new_cache(max_slots=self.scheduler.limits.kv_pool)
-        self.rows: list[_Live] = []
+        self.rows: list[_Live] = []  # who runs, in the cache's row order; each keeps its reservation
         info = model_info(model)
         self.context_length = info.context_length
-        self.window_slots = info.window_slots  # a row's sliding-window rings, in pool slots
+        # window_slots: a row's sliding-window rings, in pool slots
+        self.admission = Admission(
+            spec, info.context_length, info.window_slots, self.scheduler.limits.kv_pool
+        )
         self.tokens_out = 0  # tokens chosen so far (for metrics)
         self.evictions_done = 0  # tokens evicted from requests that have finished (for metrics)
 
@@ -116,58 +91,30 @@ class Engine:
         self.runner.attachment.__exit__(*exc)
 
     # -- admission -------------------------------------------------------------------------------
-    def slots_for(self, request: Request) -> int:
-        """Pool slots ``request`` reserves: the most its evicting layers can ever hold, plus its
-        sliding-window rings (a fixed W+1 per sliding layer, counted in the same slots)."""
-        return self._arena_slots(request) + self.window_slots
-
-    def _arena_slots(self, request: Request) -> int:
-        return self.spec.peak_tokens(request.prompt_tokens, request.max_new_tokens, request.budget)
-
-    def validate(self, request: Request) -> None:
-        """Raise what cannot work for this request, before any compute: a ValueError, typed where a
-        caller maps it to a parameter (PromptTooLong, BudgetTooSmall, PoolTooSmall)."""
-        self.spec.row_budget(request.budget)
-        context, tokens = self.context_length, request.prompt_tokens
-        if context is not None and tokens > context:
-            raise PromptTooLong(prompt_fit(self.spec, context, tokens).problem)
-        self.spec.check_prompt(tokens, request.budget)  # BudgetTooSmall, with the smallest budget
-        if context is not None and tokens + request.max_new_tokens > context:
-            log.warning(
-                "request %s: %d prompt + %d new tokens run past the model's context of %d",
-                request.id,
-                tokens,
-                request.max_new_tokens,
-                context,
-            )
-        self.scheduler.check(self.slots_for(request))
+    def validate(self, request: Request) -> int:
+        """The slots ``request`` reserves, or the :class:`~epikv.errors.AdmissionError` that says why
+        it can never run here, before any compute (the gate: :class:`Admission`)."""
+        return self.admission.check(request)
 
     def submit(self, request: Request) -> None:
         """Queue ``request``; :meth:`step` admits it when the pool and batch limits allow."""
-        self.validate(request)
-        self.scheduler.enqueue(request, self.slots_for(request))
+        self.scheduler.enqueue(request, self.validate(request), self.rows)
 
     def add(self, request: Request) -> Completion | None:
         """Admit ``request`` now: prefill it alone, pick its first token and splice its row into the
         running batch. Returns its completion if it finished on that first token."""
-        self.validate(request)
-        return self._admit(request)
+        slots = self.validate(request)
+        if not self.scheduler.can_admit(self.rows, slots):
+            raise RuntimeError(f"admitting {slots} slots would exceed the pool or the batch limit")
+        return self._start(request, slots)
 
-    def _admit(self, request: Request) -> Completion | None:
-        self.scheduler.admit(request.id, self.slots_for(request))
-        try:
-            done = self._start(request)
-        except BaseException:
-            self.scheduler.release(request.id)
-            raise
-        if done is not None:  # finished on its first token: it never joined the batch
-            self.scheduler.release(request.id)
-        return done
-
-    def _start(self, request: Request) -> Completion | None:
-        live = _Live(request, new_generator(request.sampling), time.perf_counter())
+    def _start(self, request: Request, slots: int) -> Completion | None:
+        """Prefill ``request`` into a row of its own; it joins :attr:`rows` (taking its reservation
+        with it) unless it finished on its first token, which frees the reservation at once."""
+        live = _Live(request, slots, new_generator(request.sampling), time.perf_counter())
         # Prefilled straight into the row it will decode in: joining the batch copies nothing.
-        cache = self.cache.row_cache(request.budget, self._arena_slots(request), request.prompt_tokens)
+        arena_slots = slots - self.admission.window_slots  # the windows keep their rings apart
+        cache = self.cache.row_cache(request.budget, arena_slots, request.prompt_tokens)
         if request.prefix is not None:
             request.prefix.copy_prefix(request.prefix_length, cache)
         logits = self.runner.prefill(cache, request.prompt_ids, request.on_prefill, request.on_prompt_logits)
@@ -176,7 +123,9 @@ class Engine:
             request.on_compaction(0, kept_positions(cache, 0))
         greedy = int(logits.argmax())
         if self._choose(live, logits, greedy, evicted=False):
-            return self._completion(live, cache, 0)
+            done = self._completion(live, cache.row_compactions[0], cache.stats()[0])
+            self.evictions_done += done.evictions
+            return done
         self.cache.append(cache)
         self.rows.append(live)
         return None
@@ -187,6 +136,11 @@ class Engine:
         return len(self.rows)
 
     @property
+    def reserved_slots(self) -> int:
+        """Slots the running rows hold in the arena: rows x the widest reservation."""
+        return footprint(self.rows)
+
+    @property
     def waiting(self) -> int:
         return len(self.scheduler.waiting)
 
@@ -195,7 +149,8 @@ class Engine:
 
     def step(self) -> list[Completion]:
         """Admit what fits, then one forward for every live row; returns the requests that finished."""
-        done = [c for request, _ in self.scheduler.admissible() if (c := self._admit(request)) is not None]
+        admitted = self.scheduler.admissible(self.rows)  # each joins self.rows before the next is asked
+        done = [c for request, slots in admitted if (c := self._start(request, slots)) is not None]
         if not self.rows:
             return done
         evicted = [n > 0 for n in self.cache.row_compactions]
@@ -259,19 +214,23 @@ class Engine:
         return None
 
     def _release(self, rows: list[int]) -> list[Completion]:
-        stats = self.cache.stats()
-        out = [self._completion(self.rows[r], None, r, stats[r]) for r in rows]
-        for row in rows:
-            self.scheduler.release(self.rows[row].request.id)
+        """Let ``rows`` go: their completions, and the rest keep running (their reservations with them)."""
+        stats, compactions = self.cache.stats(), self.cache.row_compactions
+        out = [self._completion(self.rows[r], compactions[r], stats[r]) for r in rows]
+        self.evictions_done += sum(c.evictions for c in out)
         keep = fill_gaps(len(self.rows), rows)
         self.cache.take_rows(keep)
         self.rows = [self.rows[r] for r in keep]
         return out
 
-    def _completion(self, live: _Live, cache: BudgetedCache | None, row: int, stats=None) -> Completion:
-        stats = stats or cache.stats()[row]
-        compactions = (cache or self.cache).row_compactions[row]
-        self.evictions_done += stats.evictions
+    def clear(self) -> None:
+        """Drop every running row and waiting request at once, without completions (after a step
+        that failed: the rows' state cannot be trusted)."""
+        self.cache.take_rows([])
+        self.rows = []
+        self.scheduler.waiting.clear()
+
+    def _completion(self, live: _Live, compactions: int, stats: SequenceStats) -> Completion:
         return Completion(
             request_id=live.request.id,
             token_ids=live.tokens,
@@ -307,6 +266,6 @@ class Engine:
             "running": self.running,
             "waiting": self.waiting,
             "cached_tokens": sum(self.cache.held),
-            "reserved_slots": self.scheduler.reserved_slots,
+            "reserved_slots": self.reserved_slots,
             "evictions": self.evictions_done + sum(self.cache.evicted),
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -63,7 +63,8 @@ class Request:
     on_compaction: observes what the cache kept (for studies; costs nothing when None).
     on_prompt_logits: hears every prompt position's logits from the prefill's own forwards (echoed
     prompt log-probabilities; projects every position onto the vocabulary, so only when set).
-    budget: this request's own K, at most the spec's (None = the spec's). prefix: a cache (batch 1,
+    budget: this request's own K, in 1..the spec's (None = the spec's; the engine's gate checks it,
+    :class:`~epikv.engine.admission.Admission`). prefix: a cache (batch 1,
     nothing evicted) whose first ``prefix_length`` slots precede ``prompt_ids``.
     """
 
@@ -91,8 +92,6 @@ class Request:
             if not self.forced:
                 raise ValueError("forced tokens must not be empty")
             self.max_new_tokens = min(self.max_new_tokens, len(self.forced))
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"a request budget must be a positive number of tokens, got {self.budget}")
         self.stop_ids = frozenset(self.stop_ids)
 
     @property
@@ -102,12 +101,15 @@ class Request:
 
 @dataclass
 class Completion:
-    """What one request produced and what the cache did while it ran.
+    """What one request produced and what the cache did while it ran: the one record of a finished
+    sequence, from the engine through ``generate`` to evaluation.
 
     finish_reason: ``eos`` (a stop id), ``stop`` (``on_token`` asked), ``length``, or ``cancelled``.
     first_evicted_index: index of the first token chosen from logits of a cache that had already
     evicted (None if it never did). seconds: from the request's prefill to its last token.
     mean_cache_tokens: tokens the row held per decode step, averaged (None if it never decoded).
+    text: the tokens decoded, set by a client that has the tokenizer (``generate``); the engine
+    knows none and leaves it empty.
     """
 
     request_id: int
@@ -122,3 +124,12 @@ class Completion:
     prefill_seconds: float
     seconds: float
     mean_cache_tokens: float | None = None
+    text: str = ""
+
+    @property
+    def tokens_generated(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, and ``tokens_generated``, as JSON-ready values."""
+        return {**asdict(self), "tokens_generated": self.tokens_generated}

@@ -9,7 +9,7 @@ The generation engine is reached only through the `Generator` protocol in `gener
 
 from epikv.eval.config import ConfigMismatchError, EvalConfig
 from epikv.eval.extract import extract_boxed
-from epikv.eval.generator import Generator, GeneratorFactory, SequenceResultLike
+from epikv.eval.generator import Generator, GeneratorFactory
 from epikv.eval.grading import grade_math, grade_numeric, normalize_number
 from epikv.eval.loops import Loop, LoopConfig, detect_loop
 from epikv.eval.metrics import METRICS, Metric, summarize, wilson_interval
@@ -34,7 +34,6 @@ __all__ = [
     "LoopConfig",
     "Metric",
     "RunOutcome",
-    "SequenceResultLike",
     "Task",
     "build_messages",
     "detect_loop",

@@ -15,24 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from epikv.eval.prompts import Messages
 
 if TYPE_CHECKING:
+    from epikv.engine import Completion
     from epikv.eval.config import EvalConfig
     from epikv.generation import SamplingConfig
     from epikv.spec import CacheSpec
-
-
-class SequenceResultLike(Protocol):
-    """The attributes of `epikv.generation.SequenceResult` that evaluation reads."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    tokens_generated: int
-    finish_reason: str
-    peak_cache_tokens: int
-    final_cache_tokens: int
-    evictions: int
-    seconds: float
-    mean_cache_tokens: float | None
 
 
 class PromptFitLike(Protocol):
@@ -55,9 +41,7 @@ class Generator(Protocol):
     spec: CacheSpec | None
     resolved_policy: dict[str, Any] | None
 
-    def __call__(
-        self, prompts: list[Messages], sampling: SamplingConfig, /
-    ) -> Sequence[SequenceResultLike]: ...
+    def __call__(self, prompts: list[Messages], sampling: SamplingConfig, /) -> Sequence[Completion]: ...
 
     def fit(self, prompts: list[Messages], /) -> Sequence[PromptFitLike]: ...
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -28,7 +28,7 @@ from epikv.eval.config import (
     saved_form,
 )
 from epikv.eval.fit import FitReport, Unfit, check_fit, unfit_error
-from epikv.eval.generator import Generator, GeneratorFactory, SequenceResultLike, make_sampling
+from epikv.eval.generator import Generator, GeneratorFactory, make_sampling
 from epikv.eval.loops import LoopConfig, detect_loop
 from epikv.eval.metrics import summarize
 from epikv.eval.plan import RunPlan, WorkItem, batches, done_keys, plan_run, plan_work
@@ -45,6 +45,9 @@ from epikv.eval.records import (
     results_filename,
 )
 from epikv.eval.tasks import Task
+
+if TYPE_CHECKING:
+    from epikv.engine import Completion
 
 __all__ = [
     "RunFolderBusyError", "RunOutcome", "RunPlan", "WorkItem", "batches", "check_plan", "execute",
@@ -66,7 +69,7 @@ class RunOutcome:
 
 
 def make_record(
-    task: Task, item: WorkItem, result: SequenceResultLike, batch_size: int, loop_config: LoopConfig
+    task: Task, item: WorkItem, result: Completion, batch_size: int, loop_config: LoopConfig
 ) -> ExampleResult:
     grade = task.evaluate(item.example, result.text)
     loop = detect_loop(result.token_ids, loop_config)
@@ -90,7 +93,7 @@ def make_record(
         final_cache_tokens=result.final_cache_tokens,
         evictions=result.evictions,
         text=result.text,
-        mean_cache_tokens=getattr(result, "mean_cache_tokens", None),  # older fakes lack it
+        mean_cache_tokens=result.mean_cache_tokens,
     )
 
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from epikv.integration.arch import ArchFacts, attention_queries, decoder_layers
 from epikv.scoring import gqa_logits
+from epikv.spec import ATTENTION_MODES
 
-MODES = ("recompute", "eager")
 CHUNK = 256  # query rows scored at once when recomputing (bounds memory to CHUNK x L per head)
 
 
@@ -33,8 +33,8 @@ class AttentionCapture:
     def __init__(
         self, model: nn.Module, spec: ArchFacts, layers: tuple[int, ...], rows: int, mode: str
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"attention mode must be one of {MODES}, got {mode!r}")
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
         self.model, self.spec, self.layers, self.rows, self.mode = model, spec, layers, max(rows, 1), mode
         self._queries: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}

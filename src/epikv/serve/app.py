@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from epikv.engine import PoolTooSmall, SamplingParams
+from epikv.engine import AdmissionError, SamplingParams
 from epikv.engine import Request as EngineRequest
 from epikv.serve import protocol as p
 from epikv.serve.errors import ServeError
@@ -186,10 +186,6 @@ class _Routes:
         lowest = 0 if getattr(request, "echo", False) else 1  # 0: only the echoed prompt
         if not lowest <= max_tokens <= limit:
             raise ServeError(f"max_tokens must be in {lowest}..{limit}, got {max_tokens}", param="max_tokens")
-        try:  # the spec owns the rule: 1..its K, and no K at all for a server that keeps every token
-            self.worker.engine.spec.row_budget(request.kv_budget)
-        except ValueError as err:
-            raise ServeError(f"kv_budget: {err}", param="kv_budget") from None
         temperature = 1.0 if request.temperature is None else request.temperature
         if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and NaN probabilities
             temperature = 0.0
@@ -198,12 +194,12 @@ class _Routes:
         stops = frozenset() if request.ignore_eos else self.settings.eos
         # max_tokens 0 (an echoed prompt's log-probabilities): the engine still picks one token
         engine_request = EngineRequest(ids, max(1, max_tokens), sampling, stops, budget=request.kv_budget)
-        try:
-            self.worker.engine.validate(engine_request)  # reads only the spec and the pool's size
-        except PoolTooSmall as err:  # prompt + max_tokens need more slots than the pool holds
-            raise ServeError(str(err), param="max_tokens") from None
-        except ValueError as err:  # PromptTooLong, BudgetTooSmall (with its minimum), ...
-            raise ServeError(str(err), param=prompt_param) from None
+        try:  # the engine's gate: kv_budget in 1..K, the prompt within context and budget, the pool
+            self.worker.check(engine_request)
+        except AdmissionError as err:
+            param = {"budget": "kv_budget", "max_new_tokens": "max_tokens"}.get(err.field, prompt_param)
+            message = f"kv_budget: {err}" if param == "kv_budget" else str(err)
+            raise ServeError(message, param=param) from None
         recorder = None
         if top is not None:
             recorder = LogprobRecorder(top, ids if prompt_logprobs else None)

@@ -10,6 +10,7 @@ from typing import Any
 from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP
 from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
+from epikv.spec import ATTENTION_MODES
 from epikv.threads import THREADS_HELP, apply_threads
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def add_serve_parser(sub: Any) -> None:
         "--interval", type=int, default=None, help="compaction interval tau (default: the policy's)"
     )
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
-    p.add_argument("--attention", default="recompute", choices=("recompute", "eager"))
+    p.add_argument("--attention", default=ATTENTION_MODES[0], choices=ATTENTION_MODES)
     p.add_argument("--kv-pool", type=int, default=None, help="KV slots all running requests may reserve")
     p.add_argument(
         "--max-batch", type=int, default=None, help="requests decoded together (default: no limit)"
@@ -80,6 +81,13 @@ def serve_limits(args: argparse.Namespace) -> tuple[ServeLimits, Any]:
     return limits_from_args(args), Access(args.api_key or None, args.protect_metrics)
 
 
+def batch_promise(dtype: Any) -> str:
+    """What a request in the running batch yields against its solo run, in ``dtype`` (README)."""
+    if str(dtype) == "torch.float32":
+        return "a batched request yields exactly its solo tokens"
+    return "a batched request may part from its solo tokens at a near tie (exact: --dtype float32)"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if ray_requested(args):
         return serve_on_ray(args)
@@ -94,16 +102,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from epikv.engine import SchedulerLimits
     from epikv.integration import build_spec
     from epikv.models import load_model, model_identity, resolve_dtype
-    from epikv.policies import policy_class
-    from epikv.spec import parse_budget, parse_policy_params
+    from epikv.spec import precheck
 
-    parse_policy_params(policy_class(args.policy), args.param)  # mistakes fail before the model loads
+    budget = precheck(args.policy, args.budget, args.param)  # mistakes fail before the model loads
     http_limits, access = serve_limits(args)
-    budget = parse_budget(args.budget) if policy_class(args.policy).evicts else None
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
     threads = apply_threads(args.threads)
     dtype, dtype_note = resolve_dtype(args.dtype)
-    threads = f"{threads}; {dtype_note}"
+    threads = f"{threads}; {dtype_note}; {batch_promise(dtype)}"
     model, tokenizer = load_model(args.model, dtype=dtype)
     spec = build_spec(
         model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param

@@ -4,7 +4,9 @@
 it gives each request an id (the client's ``X-Request-Id`` when it is a sane token, else a new one)
 and echoes it as ``X-Request-Id``; with an API key it refuses ``/v1/*`` (and ``/metrics`` when asked)
 without ``Authorization: Bearer <key>`` (401, compared in constant time); it refuses a declared body
-over the size limit (413) before reading it; and when the response is over it writes one JSON line
+over the size limit (413) before parsing it, after reading and dropping what the client is already
+sending (bounded; :func:`~epikv.serve.limits.drain`), so a client that writes its whole body before it
+reads gets the answer instead of a reset connection; and when the response is over it writes one JSON line
 to the ``epikv.serve.access`` logger: id, method, path, status, outcome, tokens, cache peak,
 evictions, duration. Routes add what only they know to the request's :class:`AccessRecord`.
 It knows nothing of the engine.
@@ -25,7 +27,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from epikv.serve.errors import ServeError
-from epikv.serve.limits import too_large
+from epikv.serve.limits import body_chunks, drain, too_large
 
 ACCESS_LOG = logging.getLogger("epikv.serve.access")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -120,6 +122,8 @@ class Gate:
                 await self.app(scope, receive, tagged)
             else:
                 record.outcome = refusal.code
+                if b"100-continue" not in headers.get(b"expect", b"").lower():
+                    await drain(body_chunks(receive))  # a client that waits for 100 sends nothing
                 response = JSONResponse(refusal.body(), refusal.status, headers=refusal.headers)
                 await response(scope, receive, tagged)
         except asyncio.CancelledError:  # the connection went away under the app

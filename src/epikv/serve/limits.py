@@ -10,11 +10,18 @@ nothing of routes or the engine, and imports no web stack (the command line read
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from epikv.serve.errors import ServeError
+
+DRAIN_BYTES = 64 << 20
+"""The most of a refused body read and dropped before the answer (see :func:`drain`)."""
+DRAIN_SECONDS = 10.0
+"""The longest a refused body is read for: a slow sender gets its answer after this, read or not."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +58,11 @@ async def read_json(http: Any, limits: ServeLimits) -> Any:
     """The request's body parsed, or a ServeError: 413 over the size limit (counted as it arrives,
     so a body without a Content-Length is cut off too), 400 for anything :func:`check_json` refuses."""
     size, parts = 0, []
-    async for chunk in http.stream():
+    chunks = http.stream()
+    async for chunk in chunks:
         size += len(chunk)
         if size > limits.max_body_bytes:
+            await drain(chunks)
             raise too_large(limits.max_body_bytes)
         parts.append(chunk)
     try:
@@ -64,6 +73,39 @@ async def read_json(http: Any, limits: ServeLimits) -> Any:
         raise _too_deep(limits.max_json_depth) from None
     check_json(value, limits.max_json_depth)
     return value
+
+
+async def drain(
+    chunks: AsyncIterator[bytes], most: int = DRAIN_BYTES, seconds: float = DRAIN_SECONDS
+) -> None:
+    """Read and drop the rest of a refused body (up to ``most`` bytes, for at most ``seconds``)
+    before the refusal is sent. A client that writes its whole body before it reads (Python's
+    ``urllib``, which also asks to close the connection) would otherwise be answered by a socket
+    closed with its data unread, which the kernel turns into "connection reset by peer", and never
+    read its 413 or 401. Past either bound the answer goes out anyway."""
+
+    async def dropped() -> None:
+        seen = 0
+        async for chunk in chunks:
+            seen += len(chunk)
+            if seen > most:
+                return
+
+    try:
+        await asyncio.wait_for(dropped(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def body_chunks(receive: Callable[[], Awaitable[dict[str, Any]]]) -> AsyncIterator[bytes]:
+    """An ASGI request's body, chunk by chunk, from its ``receive`` (ends on a disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
 
 
 def check_json(value: Any, max_depth: int) -> None:

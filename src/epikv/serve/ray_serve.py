@@ -58,12 +58,10 @@ class ReplicaSettings:
 
     def budget_tokens(self) -> int | None:
         """The budget as the engine takes it; raises ValueError for a bad budget or policy parameter,
-        so mistakes surface before any replica starts."""
-        from epikv.policies import policy_class
-        from epikv.spec import parse_budget, parse_policy_params
+        so mistakes surface before any replica starts (:func:`epikv.spec.precheck`)."""
+        from epikv.spec import precheck
 
-        parse_policy_params(policy_class(self.policy), list(self.params))
-        return parse_budget(self.budget) if policy_class(self.policy).evicts else None
+        return precheck(self.policy, self.budget, self.params)
 
 
 @dataclass(frozen=True)

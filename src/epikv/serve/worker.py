@@ -1,12 +1,14 @@
 """The engine thread: one :class:`~epikv.engine.Engine` stepping in a thread of its own, fed by
 commands from the HTTP side and feeding each request's event queue.
 
-HTTP handlers never touch the engine: they send a command (submit, cancel) through a thread-safe
-queue and wait on a future or on their request's ``asyncio.Queue``. Between two engine steps the
-thread takes every pending command, so a new request joins the running batch at the next step and a
-client that went away frees its row at once; a request past its deadline is finished the same way and
-told so (408). Events are ``("text", (delta, logprob records))``, ``("done", outcome)`` and
-``("error", ServeError)``, delivered on the event loop with ``call_soon_threadsafe``.
+HTTP handlers never touch the engine: they ask :meth:`EngineWorker.check` whether a request can
+ever run (the engine's gate, which reads only its spec and sizes), send a command (submit, cancel)
+through a thread-safe queue and wait on a future or on their request's ``asyncio.Queue``. Between
+two engine steps the thread takes every pending command, so a new request joins the running batch at
+the next step and a client that went away frees its row at once; a request past its deadline is
+finished the same way and told so (408). Events are ``("text", (delta, logprob records))``,
+``("done", outcome)`` and ``("error", ServeError)``, delivered on the event loop with
+``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def check(self, request: Request) -> None:
+        """Raise the :class:`~epikv.errors.AdmissionError` of a request that can never run here (the
+        engine's gate: it reads only the spec and the engine's sizes, so any thread may call it)."""
+        self.engine.validate(request)
+
     def submit(self, job: Job) -> Future:
         """Queue a job for admission; the future fails with ServeError (400/429) if it cannot queue."""
         future: Future = Future()
@@ -158,7 +165,7 @@ class EngineWorker:
         except Exception as err:  # a fault in a step fails the running requests, not the server
             log.exception("engine step failed")
             self._fail_all(ServeError(f"internal error: {err}", status=500, code="internal_error"))
-            self.engine.cache.take_rows([])
+            self.engine.clear()
             return
         self.metrics.stepped(self.engine, time.perf_counter() - started)
         for completion in done:
