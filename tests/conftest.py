@@ -11,6 +11,9 @@ from epikv.models.tiny import tiny_model as build_tiny_model
 # Tiny models run faster on one thread than with two threads waking per op.
 torch.set_num_threads(1)
 
+# tests/vllm runs in vLLM's own environment (.venv-vllm, README's test command), not in this one.
+collect_ignore = ["vllm"]
+
 
 @pytest.fixture(autouse=True)
 def _one_thread_again():

@@ -4,7 +4,8 @@ Overrides (private methods of vLLM 0.32's V1 runner; pinned by ``tests/vllm/test
 ``get_kv_cache_spec`` (the capped spec), ``initialize_kv_cache`` (find the page layout, build the
 slot store), ``_get_eagle3_aux_layers_from_config`` (the band layers' hidden states, through the same
 aux-hidden-state path EAGLE-3 uses), ``_update_states`` (request lifecycle), ``_prepare_inputs``
-(physical lengths and slots) and ``execute_model`` (observe and compact after the forward). Without
+(physical lengths and slots), ``execute_model`` (observe and compact after the forward) and
+``sample_tokens`` (each request's counters ride to the scheduler on the runner's output). Without
 ``additional_config["epikv"]`` every override passes straight through.
 """
 
@@ -100,6 +101,12 @@ class EpiKVRunnerMixin:
         state = self.execute_model_state  # type: ignore[attr-defined]
         if self.epikv is not None and state is not None:
             self.epikv.after_forward(self, state.aux_hidden_states)
+        return out
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        if self.epikv is not None and hasattr(out, "req_ids"):
+            out.epikv = self.epikv.report  # travels to the scheduler with the output (pickled)
         return out
 
 

@@ -122,6 +122,23 @@ class EpiKVScheduler(Scheduler):
             self.max_num_active_reqs,
         )
 
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's update, plus each request's counters from the worker; a finished request's output
+        carries them as ``kv_transfer_params["epikv"]`` (no KV connector runs beside the plugin, and
+        vLLM hands that field through to ``RequestOutput`` and the OpenAI response)."""
+        report = getattr(model_runner_output, "epikv", None) or {}
+        counters = self.__dict__.setdefault("epikv_counters", {})
+        counters.update(report)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for batch in outputs.values():
+            for out in batch.outputs:
+                if out.finish_reason is None or out.request_id not in counters:
+                    continue
+                peak, evicted, compactions = counters.pop(out.request_id)
+                stats = {"peak_cache_tokens": peak, "evictions": evicted, "compactions": compactions}
+                out.kv_transfer_params = {**(out.kv_transfer_params or {}), "epikv": stats}
+        return outputs
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
         if self.epikv_cap and out.preempted_req_ids:

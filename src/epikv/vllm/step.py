@@ -39,6 +39,8 @@ class EpiKVWorkerState:
         self.store: SlotStore | None = None
         self.block_size = 0
         self.finished: dict[str, dict[str, int]] = {}  # req_id -> final counters (read by tests)
+        # req_id -> (peak physical tokens, tokens evicted, compactions) after this step's forward
+        self.report: dict[str, tuple[int, int, int]] = {}
         self._trace = open(settings.trace, "a") if settings.trace else None
 
     @property
@@ -108,6 +110,7 @@ class EpiKVWorkerState:
         hidden = dict(zip([a - 1 for a in self.aux_layers], aux or [], strict=True))
         computed, prompts = batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n]
         decode = [i for i in range(n) if computed[i] >= prompts[i]]
+        self.report = {}
         for i in range(n):
             if computed[i] < prompts[i]:
                 lo, hi = int(starts[i]), int(starts[i + 1])
@@ -142,6 +145,8 @@ class EpiKVWorkerState:
         record.books.seen = record.books.seen + q
         if done and record.books.due(self.spec.interval):
             record.state = self._compact(runner, [req_id], record.books, record.state, [0])
+        books = record.books
+        self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0])
 
     def _decode(
         self,
@@ -170,6 +175,9 @@ class EpiKVWorkerState:
         if due:
             state = self._compact(runner, ids, books, state, due)
         self.requests.set_state(state)
+        self.report.update(
+            zip(ids, zip(books.peak, books.evicted, books.compactions, strict=True), strict=True)
+        )
 
     def _compact(self, runner: Any, ids: list[str], books: Any, state: Any, rows: list[int]) -> Any:
         """Compact rows ``rows`` of a batch (``ids`` its request ids); returns the batch's state."""

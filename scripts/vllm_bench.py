@@ -1,0 +1,179 @@
+"""Benchmark of the vLLM plugin (docs/vllm.md): run in vLLM's environment (``.venv-vllm``).
+
+  .venv-vllm/bin/python scripts/vllm_bench.py throughput --out docs/results/vllm/throughput.json
+  .venv-vllm/bin/python scripts/vllm_bench.py capacity --out docs/results/vllm/capacity.json
+
+``throughput``: plain vLLM and vLLM + epikv (K = 256) on the same 16 chat prompts, greedy, EOS
+ignored, T new tokens each, all submitted at once; engines alternate within one run, each in a fresh
+child process of the same layout. ``capacity``: a KV pool that holds one full request of ``--tokens``
+tokens, ``--requests`` requests of that length under the plugin (and ``--plain-requests`` under plain
+vLLM): how many ran at once, preemptions, and whether all finished. Every record carries the CPU
+model and the load average; compare only ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT.parent / "shared" / "peers" / "vllm" / "prompts16.jsonl"
+BLOCK = 32
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        return next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "")
+    except OSError:
+        return platform.processor()
+
+
+def child(job: dict) -> dict:
+    """One engine run in this process (called in a fresh child by :func:`run_child`)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import epikv.vllm
+
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    texts = [json.loads(line)["prompt"] for line in open(job["prompts"]) if line.strip()]
+    texts = [texts[i % len(texts)] for i in range(job["n"])]
+    ids = []
+    for text in texts:
+        x = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids.append([int(i) for i in (x["input_ids"] if hasattr(x, "keys") else x)])
+    extra = epikv.vllm.engine_kwargs(job["policy"], job.get("budget")) if job["policy"] != "plain" else {}
+    options = {"enable_prefix_caching": False, **extra}
+    if job.get("blocks"):
+        options["kv_cache_memory_bytes"] = job["blocks"] * BLOCK * job["token_bytes"]
+    start = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=job["max_model_len"],
+        seed=0,
+        **options,
+    )
+    init = time.perf_counter() - start
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    seen = {"running": 0, "preempted": 0}
+    schedule = scheduler.schedule
+
+    def watch(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        seen["running"] = max(seen["running"], len(scheduler.running))
+        seen["preempted"] += len(out.preempted_req_ids or ())
+        return out
+
+    scheduler.schedule = watch
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=ids[0])], warm, use_tqdm=False)
+    seen.update(running=0, preempted=0)
+    params = SamplingParams(temperature=0, max_tokens=job["t"], ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    generated = [len(o.outputs[0].token_ids) for o in outs]
+    return {
+        **{k: v for k, v in job.items() if k not in ("model", "prompts")},
+        "init_s": round(init, 1),
+        "wall_s": round(wall, 2),
+        "tokens": sum(generated),
+        "tokens_per_s": round(sum(generated) / wall, 2),
+        "all_finished": generated == [job["t"]] * job["n"],
+        "max_running": seen["running"],
+        "preemptions": seen["preempted"],
+        "pool_blocks": scheduler.kv_cache_config.num_blocks,
+        "loadavg_end": os.getloadavg(),
+        "output_hash": hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF,
+    }
+
+
+def run_child(job: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "child", json.dumps(job)], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        return {**job, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no result"}
+    return json.loads(lines[-1][7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("kind", choices=["throughput", "capacity", "child"])
+    parser.add_argument("job", nargs="?")
+    parser.add_argument("--model", default=None, help="safetensors folder (default: epikv's embedded copy)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--policy", default="epikv")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--lengths", default="512,2048", help="throughput: new tokens per request")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=4096, help="capacity: tokens per request")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--plain-requests", type=int, default=2)
+    parser.add_argument("--out", required=False)
+    args = parser.parse_args()
+    if args.kind == "child":
+        print("RESULT " + json.dumps(child(json.loads(args.job))), flush=True)
+        return
+    model = args.model or str(sorted((Path.home() / ".cache/epikv/models").glob("smollm2-135m-*"))[-1])
+    token_bytes = 30 * 3 * 64 * 2 * (4 if args.dtype == "float32" else 2)
+    base = {"model": model, "prompts": str(PROMPTS), "dtype": args.dtype, "token_bytes": token_bytes}
+    records = []
+    if args.kind == "throughput":
+        for t in (int(x) for x in args.lengths.split(",")):
+            for _ in range(args.rounds):
+                for policy in ("plain", args.policy):  # alternating, same layout
+                    job = {
+                        **base,
+                        "policy": policy,
+                        "budget": args.budget,
+                        "n": 16,
+                        "t": t,
+                        "max_model_len": t + 256,
+                    }
+                    records.append(run_child(job))
+                    print(json.dumps(records[-1]), flush=True)
+    else:
+        blocks = (
+            -(-(args.tokens + 256) // BLOCK) + 1
+        )  # one full request of prompt + tokens, plus the null block
+        for policy, n in (("plain", args.plain_requests), (args.policy, args.requests)):
+            job = {
+                **base,
+                "policy": policy,
+                "budget": args.budget,
+                "n": n,
+                "t": args.tokens,
+                "blocks": blocks,
+                "max_model_len": args.tokens + 256,
+            }
+            records.append(run_child(job))
+            print(json.dumps(records[-1]), flush=True)
+    result = {
+        "kind": args.kind,
+        "cpu": cpu_model(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "records": records,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

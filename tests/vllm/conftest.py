@@ -1,0 +1,115 @@
+"""The vLLM plugin's tests: they run in vLLM's own environment (``bash scripts/setup.sh --vllm``, then
+``.venv-vllm/bin/python -m pytest -q tests/vllm``) and are skipped where vLLM is not installed.
+
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine, scheduler and worker in the test's
+own process, which also lets tests read the worker's state), float32, eager, blocks of 32 tokens.
+epikv's own engine is the reference; it runs in epikv's environment (``.venv``, or
+``EPIKV_REFERENCE_PYTHON``) through ``reference.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+pytest.importorskip("vllm", reason="the vLLM plugin's tests run in .venv-vllm (setup.sh --vllm)")
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = Path(os.environ.get("EPIKV_REFERENCE_PYTHON", ROOT / ".venv" / "bin" / "python"))
+BLOCK = 32
+FP32_TOKEN_BYTES = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K + V) x 4 bytes
+
+
+def reference(*args: str) -> dict[str, Any]:
+    """Run ``reference.py`` in epikv's environment and return its JSON."""
+    if not REFERENCE.exists():
+        raise RuntimeError(f"no reference Python at {REFERENCE}: run `bash scripts/setup.sh` first")
+    done = subprocess.run(
+        [str(REFERENCE), str(Path(__file__).with_name("reference.py")), *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"reference.py {args} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("REFERENCE ") :])
+
+
+def reference_run(
+    policy: str, budget: int | None, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"policy": policy, "budget": budget, "prompts": prompts, "max_tokens": max_tokens}, f)
+    try:
+        return reference("run", f.name)
+    finally:
+        os.unlink(f.name)
+
+
+@pytest.fixture(scope="session")
+def embedded() -> dict[str, Any]:
+    """The embedded model's folder and four chat prompts' ids (from epikv's own tokenizer)."""
+    return reference("folder")
+
+
+def make_llm(folder: str, blocks: int = 200, **kwargs: Any) -> Any:
+    """An in-process vLLM engine on the embedded model: float32, eager, a pool of ``blocks`` blocks."""
+    from vllm import LLM
+
+    options: dict[str, Any] = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "block_size": BLOCK,
+        "max_model_len": 4096,
+        "kv_cache_memory_bytes": blocks * BLOCK * FP32_TOKEN_BYTES,
+        "seed": 0,
+        "enable_prefix_caching": False,
+    }
+    options.update(kwargs)
+    return LLM(model=folder, **options)
+
+
+def close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def worker_state(llm: Any) -> Any:
+    """The plugin's state inside the in-process worker."""
+    executor = llm.llm_engine.model_executor
+    return executor.driver_worker.worker.model_runner.epikv
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int | list[int], logprobs: int | None = None):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in lengths
+    ]
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def tokens(outputs: Any) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two generations share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,156 @@
+"""The plugin in a running vLLM engine (in-process, float32, eager), against plain vLLM and against
+epikv's own engine: same tokens where nothing is evicted, the same kept sets where the policy's choice
+depends on positions only, bounded blocks, solo tokens under row churn, and refusals at start-up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import agree, close, generate, make_llm, reference_run, tokens, worker_state
+
+import epikv.vllm
+from epikv.vllm.config import Refused
+
+N = 128  # new tokens per request
+
+
+@pytest.fixture(scope="module")
+def plain(embedded):
+    llm = make_llm(embedded["folder"])
+    out = generate(llm, embedded["prompts"], N, logprobs=1)
+    close(llm)
+    return out
+
+
+def logprobs(outputs):
+    return [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
+
+
+def test_full_under_the_plugin_gives_plain_vllm_tokens_and_logprobs(embedded, plain):
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("full"))
+    out = generate(llm, embedded["prompts"], N, logprobs=1)
+    close(llm)
+    assert tokens(out) == tokens(plain)
+    assert logprobs(out) == logprobs(plain)  # bit for bit: the plugin changes nothing without eviction
+
+
+def test_a_budget_that_never_evicts_gives_plain_vllm_tokens(embedded, plain):
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("epikv-flat", 4000))
+    out = generate(llm, embedded["prompts"], N)
+    assert worker_state(llm).cap == 4001
+    close(llm)
+    assert tokens(out) == tokens(plain)
+
+
+@pytest.fixture(scope="module")
+def streaming(embedded, tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "kept.jsonl"
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("streaming", 64, trace=str(trace)))
+    yield llm, trace
+    close(llm)
+
+
+def kept_sets(trace, count):
+    """Each request's kept positions at every compaction, in request order (ids start with a counter)."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    first = min(int(r["request"].split("-")[0]) for r in rows)
+    out = [[] for _ in range(count)]
+    for r in rows:
+        out[int(r["request"].split("-")[0]) - first].append(r["kept"])
+    return out
+
+
+def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain, streaming):
+    llm, trace = streaming
+    trace.write_text("")
+    out = generate(llm, embedded["prompts"], N)
+    ref = reference_run("streaming", 64, embedded["prompts"], N)
+    full = reference_run("full", None, embedded["prompts"], N)
+    ours = kept_sets(trace, len(embedded["prompts"]))
+    for i, prompt in enumerate(embedded["prompts"]):
+        # one per step once over K (the last chosen token is never fed back)
+        assert len(ours[i]) == len(ref["kept"][i]) == len(prompt) + N - 1 - 64
+        assert ours[i] == ref["kept"][i], f"request {i}: kept sets differ from epikv's engine"
+        # tokens agree at least as long as plain vLLM and epikv's full cache agree
+        baseline = agree(tokens(plain)[i], full["tokens"][i])
+        assert agree(tokens(out)[i], ref["tokens"][i]) >= baseline
+    for o, prompt in zip(out, embedded["prompts"], strict=True):  # what the request's output reports
+        evicted = len(prompt) + N - 1 - 64
+        assert o.kv_transfer_params["epikv"] == {
+            "peak_cache_tokens": 65,
+            "evictions": evicted,
+            "compactions": evicted,
+        }
+
+
+def test_requests_that_finish_at_different_times_give_their_solo_tokens(embedded, streaming):
+    llm, _ = streaming
+    lengths = [40, N, 90, 20]
+    together = tokens(generate(llm, embedded["prompts"], lengths))
+    for prompt, n, got in zip(embedded["prompts"], lengths, together, strict=True):
+        assert tokens(generate(llm, [prompt], n))[0] == got
+
+
+def test_a_prompt_longer_than_the_cap_is_refused_before_the_engine(embedded, streaming):
+    llm, _ = streaming
+    with pytest.raises(ValueError, match="longer than K \\+ tau = 65"):
+        generate(llm, [list(range(100, 200))], 4)
+
+
+def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded):
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("epikv", 96, interval=16))
+    state = worker_state(llm)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    layer = state.spec.policy.query_layer
+    seen = {}
+    decoder = runner.model.model.layers[layer]
+    hooks = [
+        decoder.register_forward_pre_hook(
+            lambda m, args: seen.update(
+                h=(args[1] + args[2]) if args[2] is not None else args[1], pos=args[0]
+            )
+        ),
+        decoder.self_attn.attn.register_forward_pre_hook(lambda m, args: seen.update(q=args[0])),
+    ]
+    out = generate(llm, embedded["prompts"], N)
+    for hook in hooks:
+        hook.remove()
+    mine = state.store.project_queries(layer, seen["h"][None].float(), seen["pos"][None])[0]  # (Hq, T, D)
+    theirs = seen["q"].reshape(seen["q"].shape[0], mine.shape[0], -1).transpose(0, 1)
+    torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-5, rtol=1e-5)
+    assert all(c["peak_cache_tokens"] <= 96 + 16 and c["evictions"] > 0 for c in state.finished.values())
+    close(llm)
+    assert [len(t) for t in tokens(out)] == [N] * len(embedded["prompts"])
+
+
+def test_a_pool_for_one_full_request_runs_many_bounded_ones_without_preemption(embedded):
+    blocks = 24  # 768 tokens: one 640-token request's full cache fits, two do not
+    llm = make_llm(embedded["folder"], blocks=blocks, **epikv.vllm.engine_kwargs("streaming", 96))
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    running, held, schedule = [], [], scheduler.schedule
+
+    def watch(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        running.append(len(scheduler.running))
+        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        held.append(max((len(b) for b in manager.req_to_blocks.values()), default=0))
+        return out
+
+    scheduler.schedule = watch
+    prompts = [embedded["prompts"][i % 4] for i in range(8)]
+    out = generate(llm, prompts, 600)
+    close(llm)
+    assert [len(o.outputs[0].token_ids) for o in out] == [600] * 8
+    assert max(held) == 4  # ceil((96 + 1) / 32) blocks per request, never more
+    assert max(running) == (blocks - 1) // 4 == 5  # admission by K + tau; vLLM alone fits one at a time
+
+
+def test_unsupported_settings_are_refused_at_start_up(embedded):
+    with pytest.raises(Refused, match="prefix caching"):
+        make_llm(
+            embedded["folder"], **{**epikv.vllm.engine_kwargs("streaming", 64), "enable_prefix_caching": True}
+        )
+    with pytest.raises(Refused, match="attention weights"):
+        make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("h2o", 64))
