@@ -95,7 +95,9 @@ def test_requests_that_finish_at_different_times_give_their_solo_tokens(embedded
 
 def test_a_prompt_longer_than_the_cap_is_refused_before_the_engine(embedded, streaming):
     llm, _ = streaming
-    with pytest.raises(ValueError, match="longer than K \\+ tau = 65"):
+    from vllm.exceptions import VLLMValidationError  # vllm serve answers it with a 400
+
+    with pytest.raises(VLLMValidationError, match="longer than K \\+ tau = 65"):
         generate(llm, [list(range(100, 200))], 4)
 
 

@@ -21,7 +21,7 @@ SCHEDULER = "epikv.vllm.scheduler.EpiKVScheduler"
 SUPPORTED_VLLM = ("0.32.",)  # the private runner methods overridden are pinned to this series
 
 
-class Refused(ValueError):
+class Refused(RuntimeError):
     """A configuration the plugin cannot run; the message is one line saying what and why."""
 
 

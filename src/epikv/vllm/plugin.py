@@ -46,7 +46,12 @@ def register() -> None:
         rule = _RULES.get("prompt")
         tokens = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
         if rule is not None and tokens is not None:
-            rule(len(tokens))
+            from vllm.exceptions import VLLMValidationError
+
+            try:
+                rule(len(tokens))
+            except ValueError as err:  # a client error: HTTP 400 under vllm serve
+                raise VLLMValidationError(str(err), parameter="prompt", value=len(tokens)) from err
 
     platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
     platform.validate_request = classmethod(validate_request)  # type: ignore[method-assign]
