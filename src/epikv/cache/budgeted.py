@@ -12,12 +12,14 @@ which is what the engine's continuous batching rests on; a request is prefilled 
 row it will decode in (:meth:`BudgetedCache.row_cache`). It calls the policy through two narrow
 calls (``observe`` each step, ``score`` at a compaction) and never branches on a policy's type. It
 does not know the model: the integration module feeds it each step's new tokens
-(:meth:`begin_step`) and signals (:meth:`end_step`).
+(:meth:`begin_step`) and signals (:meth:`end_step`), and a prompt fed in several forwards is one
+prefill inside :meth:`BudgetedCache.chunked_prefill`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -97,10 +99,7 @@ class BudgetedCache(Cache):
         self.compactions = 0
         self._writes = Writes(0, 0, 0)
         self._resize(0, 0)
-        # A long prompt comes in several forwards (epikv.engine.runner): ``prompt_follows`` is set
-        # before each forward but the last, and the next forward then continues the prefill.
-        self.prompt_follows = False
-        self._prefill_open = False
+        self._chunked = False  # inside chunked_prefill: the forwards feed one prompt
         self._started = False
 
     def reset(self) -> None:
@@ -129,7 +128,7 @@ class BudgetedCache(Cache):
     @property
     def in_prefill(self) -> bool:
         """Whether the next forward feeds prompt tokens (the first one, or a later chunk of a prompt)."""
-        return not self.started or self._prefill_open
+        return not self.started or self._chunked
 
     @property
     def interval(self) -> int:
@@ -267,7 +266,7 @@ class BudgetedCache(Cache):
 
     def begin_step(self, new_valid: torch.Tensor, positions: torch.Tensor) -> None:
         batch, q = new_valid.shape
-        decode = self.started and not self._prefill_open
+        decode = not self.in_prefill
         if not self.started:
             real = new_valid.sum(dim=-1)
             added = real.tolist()  # one host sync per prefill
@@ -278,8 +277,7 @@ class BudgetedCache(Cache):
             self.state = self.policy.init_state(batch, self.model, new_valid.device)
             self._started = True
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
-            chunk = self._prefill_open  # a later chunk of the prompt: the prompt grows, nothing is decoded
-            if chunk:
+            if self._chunked:  # a later chunk of the prompt: the prompt grows, nothing is decoded
                 self.books.prompt_len = self.books.prompt_len + new_valid.sum(dim=-1)
                 for tokens in self.books.prompt_len.tolist():  # one host sync per chunk
                     self.spec.check_prompt(tokens, self.budget)
@@ -321,14 +319,28 @@ class BudgetedCache(Cache):
             self.windows.end_step()
         if not signals.prefill:
             self.books.since = [s + 1 for s in self.books.since]
-        self._prefill_open, self.prompt_follows = self.prompt_follows, False
-        if self._prefill_open:  # no compaction inside a prompt: its tokens are all protected or seen
-            return
+        if not self._chunked:  # no compaction inside a prompt: its tokens are all protected or seen
+            self._compact_due()
+
+    @contextmanager
+    def chunked_prefill(self) -> Iterator[None]:
+        """The forwards inside feed one prompt into this empty cache in pieces (epikv.engine.runner),
+        which the cache and the policies see as one prefill: the rows due compact after the last."""
+        if self.started:
+            raise ValueError("a chunked prefill feeds an empty cache (a prefix is extended by steps)")
+        self._chunked = True
+        try:
+            yield
+        finally:
+            self._chunked = False
+        self._compact_due()
+
+    # -- compaction ----------------------------------------------------------------------------
+    def _compact_due(self) -> None:
         due = self.books.due(self.interval)
         if due:
             self.compact(due)
 
-    # -- compaction ----------------------------------------------------------------------------
     def compact(self, rows: Sequence[int] | None = None) -> None:
         """Score, select and move ``rows`` (default: every row with a budget): the only place tokens
         leave the cache. Each budget among ``rows`` is scored in one call, so a policy always sees
