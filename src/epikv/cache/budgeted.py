@@ -241,13 +241,9 @@ class BudgetedCache(Cache):
             raise ValueError(f"prefix length must be in 1..{self.books.held[0]}, got {length}")
         into.arena.ensure(1, into.arena.slots_for(length, [into.reservation]), 0, 0)
         into.arena.append_rows(self.arena, 1, 0, length)
-        books = self.books.take([0])
-        books.prompt_len = torch.full_like(books.prompt_len, length)
-        books.seen = torch.full_like(books.seen, length)
-        books.fill, books.held, books.peak = [length], [length], [length]
-        books.since, books.reserved = [self.interval], [into.reservation]
-        books.budgets = [into.budget]
-        into.books, into.state, into._started = books, None, True
+        device = self.books.prompt_len.device
+        into.books = RowBooks.holding(length, self.interval, into.budget, into.reservation, device)
+        into.state, into._started = None, True
         into._resize(1, length)
 
     def prefix(self, length: int) -> BudgetedCache:
