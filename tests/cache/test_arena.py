@@ -12,8 +12,8 @@ from epikv.engine import Engine, Request, SchedulerLimits
 from epikv.engine.engine import fill_gaps
 from epikv.integration import model_info
 from epikv.models.tiny import tiny_model
-from tests.conftest import policy_params
-from tests.engine.test_engine import prompts, spec_for
+from tests.helpers.engine import prompts, spec_for
+from tests.helpers.models import policy_params
 
 
 def slot_bytes(model) -> int:
