@@ -12,7 +12,7 @@ query's window, by true position. Ring slots hold tokens out of positional order
 does not see: the mask is built from the positions, never from slot order.
 
 Storage is an :class:`~epikv.cache.arena.Arena` (one layer per sliding layer, W+1 slots), so rows
-are taken, joined and viewed with the same verbs as the global layers' arena.
+are kept, appended and viewed by the same arena verbs as the global layers' rows.
 """
 
 from __future__ import annotations
