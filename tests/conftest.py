@@ -1,4 +1,5 @@
-"""Tiny random-weight models (no network) shared by the tests."""
+"""The fixtures every test folder shares: tiny random-weight models (no network), the embedded
+tokenizer, the toy tokenizer. Helpers to import are in :mod:`tests.helpers`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 
 from epikv.integration.arch import ARCHITECTURES
 from epikv.models.tiny import tiny_model as build_tiny_model
+from tests.helpers.models import SERVE_MODEL_NAME, make_tiny
+from tests.helpers.tokenizer import CharTokenizer
 
 # Tiny models run faster on one thread than with two threads waking per op.
 torch.set_num_threads(1)
@@ -20,11 +23,6 @@ def _one_thread_again():
     """Commands under test choose their threads (``--threads auto``); the next test gets one again."""
     yield
     torch.set_num_threads(1)
-
-
-def make_tiny(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
-    """The library's tiny model (4 layers, sdpa, 4096 positions) named ``tiny-<arch>``."""
-    return build_tiny_model(arch, seed, identity=f"tiny-{arch}")
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
@@ -42,9 +40,6 @@ def arch_model(request) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def tiny_llama() -> torch.nn.Module:
     return make_tiny("llama")
-
-
-SERVE_MODEL_NAME = "tiny-serve"
 
 
 @pytest.fixture(scope="session")
@@ -67,31 +62,6 @@ def serve_model_folder(tmp_path_factory, serve_model, embedded_tokenizer):
     serve_model.save_pretrained(folder)
     embedded_tokenizer.save_pretrained(folder)
     return folder
-
-
-# Bands for the 4-layer tiny models (Band A = 1, Band B = 2): every banded policy needs them.
-TINY_BANDS = {"band_a": 1, "band_b": 2}
-
-
-def policy_params(name: str) -> dict:
-    from epikv.policies import policy_class
-    from epikv.policies.epiphany import BandedPolicy
-
-    return dict(TINY_BANDS) if issubclass(policy_class(name), BandedPolicy) else {}
-
-
-class CharTokenizer:
-    """A tiny character tokenizer (no chat template) so generation tests need no files."""
-
-    pad_token_id = 0
-    eos_token_id = 1
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": [2 + (ord(c) % 90) for c in text]}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(32 + (i % 90)) for i in ids if not (skip_special_tokens and i < 2))
 
 
 @pytest.fixture(scope="session")

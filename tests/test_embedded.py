@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import epikv
 from epikv.generation import SamplingConfig, encode_prompts, generate
-from tests.joining import check_joining_equals_alone
+from tests.helpers.engine import check_joining_equals_alone
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 import epikv
 from epikv.generation import encode_prompt_ids, encode_prompts
-from tests.joining import check_joining_equals_alone
+from tests.helpers.engine import check_joining_equals_alone
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ from epikv.profiles import (
     weak_signal_warnings,
 )
 from epikv.spec import CacheSpec
+from tests.helpers.calibration import reusable_run
 
 SMOL = ModelInfo("smollm2-135m", 30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)
 
@@ -106,8 +107,6 @@ def test_a_broken_profile_file_is_one_clear_line(tmp_path, capsys):
 
 def test_calibrate_writes_only_its_run_folder(tmp_path, capsys, empty_cache):
     """The issue's scenario without a model: --reuse redoes the statistics and writes the profile."""
-    from tests.calibrate.test_pipeline import reusable_run
-
     out = reusable_run(tmp_path / "run")
     assert main(["calibrate", "--reuse", "--no-progress", "--out", str(out)]) == 0
     text, err = capsys.readouterr()

@@ -50,7 +50,7 @@ def test_server_on_the_embedded_model(smol):
     from epikv.engine import Engine, Request
     from epikv.generation import eos_ids
     from epikv.integration import build_spec
-    from tests.serve.conftest import start, stop
+    from tests.helpers.serve import start, stop
 
     model, tok = smol
     spec = build_spec(model, "epikv", 128)

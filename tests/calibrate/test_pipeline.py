@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from epikv.calibrate.pipeline import (
     select_traces,
 )
 from epikv.calibrate.plot import plot_rho
-from epikv.calibrate.traces import Trace, load_traces, save_traces
+from epikv.calibrate.traces import load_traces, save_traces
 from epikv.models import set_identity
 from epikv.profiles import (
     find_profile,
@@ -28,35 +28,8 @@ from epikv.profiles import (
     user_profile_dir,
     weak_signal_warnings,
 )
-from tests.conftest import make_tiny
-
-
-def _traces(n: int) -> list[Trace]:
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(n):
-        prompt, output = rng.integers(3, 97, 12).tolist(), rng.integers(3, 97, 60).tolist()
-        out.append(Trace(f"p{i}", prompt, output, True, 12 + 48, "tail", str(i), correct=i % 2 == 0))
-    return out
-
-
-def reusable_run(out):
-    """A run folder for "tiny/calib" (4 layers) that `--reuse` accepts, with random signals: what a
-    model run leaves behind, made without a model."""
-    rng = np.random.default_rng(0)
-    out.mkdir(parents=True)
-    config = CalibrationConfig(dataset="given", keep="all", bootstrap=20, labels=LabelSettings(window=8))
-    (out / "config.json").write_text(json.dumps(asdict(config)))
-    traces = _traces(4)
-    save_traces(traces, out / "traces.jsonl")
-    tokens = 4 * 48
-    np.savez_compressed(
-        out / "tokens.npz", signal_names=np.array(["raw", "mean", "zscore"]), model=np.array("tiny/calib"),
-        signals=rng.normal(size=(3, 4, tokens)), loglik=rng.normal(size=tokens),
-        groups=np.repeat(np.arange(4), 48),
-    )  # fmt: skip
-    (out / "windows.jsonl").write_text("".join(json.dumps({"windows": [[0, 8]]}) + "\n" for _ in traces))
-    return out
+from tests.helpers.calibration import random_traces
+from tests.helpers.models import make_tiny
 
 
 @pytest.fixture
@@ -68,7 +41,7 @@ def named_tiny():
 
 def test_run_writes_everything_and_epikv_finds_the_profile(tmp_path, monkeypatch, named_tiny, tok, capsys):
     monkeypatch.setenv("EPIKV_CACHE_DIR", str(tmp_path / "cache"))
-    save_traces(_traces(4), tmp_path / "given.jsonl")
+    save_traces(random_traces(4), tmp_path / "given.jsonl")
     config = CalibrationConfig(
         dataset="given", traces=str(tmp_path / "given.jsonl"), keep="all", bootstrap=30,
         labels=LabelSettings(kind="flip", window=8, stride=4, answer_tokens=6), rolling=8,
@@ -115,7 +88,7 @@ def test_run_writes_everything_and_epikv_finds_the_profile(tmp_path, monkeypatch
 
 
 def test_select_traces():
-    traces = _traces(4)
+    traces = random_traces(4)
     traces[1].finished = False
     traces[2].answer = None
     traces[3].answer_start = traces[3].prompt_len + 3
@@ -147,7 +120,7 @@ def test_within_problem_rho_averages_problems_and_skips_constant_labels():
 
 
 def test_given_traces_are_sliced_and_copied(tmp_path):
-    save_traces(_traces(5), tmp_path / "given.jsonl")
+    save_traces(random_traces(5), tmp_path / "given.jsonl")
     config = CalibrationConfig(traces=str(tmp_path / "given.jsonl"), offset=1, limit=2)
     got = obtain_traces(config, None, None, tmp_path / "run")
     assert [t.id for t in got] == ["p1", "p2"]
@@ -160,7 +133,7 @@ def test_traces_phase_has_a_bar(tmp_path, monkeypatch, capsys):
     def fake_generate(model, tokenizer, problems, *args, on_batch, **kwargs):
         for done in (2, len(problems)):  # two batches
             on_batch(done)
-        return _traces(len(problems))
+        return random_traces(len(problems))
 
     monkeypatch.setattr(pipeline, "generate_traces", fake_generate)
     config = CalibrationConfig(dataset="gsm8k", limit=3)

@@ -7,38 +7,10 @@ import torch
 
 from epikv.engine import Engine, Request, SamplingParams, SchedulerLimits
 from epikv.integration import build_spec
-from epikv.policies import policy_class, policy_names
-from tests.conftest import policy_params
+from epikv.policies import policy_names
+from tests.helpers.engine import FLOAT_SENSITIVE, Logits, prompts, spec_for
 
-# Short intervals so that every evicting policy compacts many times within a short test.
-INTERVALS = {"epikv-seg": 4, "epikv-segq": 4, "snapkv": 4, "rkv": 4, "lagkv": 4, "thinkv": 4}
 REQUIRED = ["full", "streaming", "epikv-flat", "epikv", "h2o"]  # the issue's exactness set
-# ThinKV's K-means keeps the member nearest each centroid: a choice that flips on the last-bit
-# differences a different batch shape makes (batched matmuls block differently). Its logits agree
-# until its first compaction; after that it may keep another member of a cluster.
-FLOAT_SENSITIVE = {"thinkv"}
-
-
-def prompts(count: int = 4, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 97, (n,), generator=g).tolist() for n in (12, 5, 20, 9)[:count]]
-
-
-def spec_for(model, name: str, budget: int = 32):
-    budget = budget if policy_class(name).evicts else None
-    return build_spec(model, name, budget, interval=INTERVALS.get(name), params=policy_params(name))
-
-
-class Logits:
-    """on_logits recorder."""
-
-    def __init__(self) -> None:
-        self.rows: list[torch.Tensor] = []
-        self.evicted: list[bool] = []
-
-    def __call__(self, index: int, logits: torch.Tensor, evicted: bool) -> None:
-        self.rows.append(logits.detach().clone())
-        self.evicted.append(evicted)
 
 
 def staggered(model, spec, requests: list[Request], joins: dict[int, int]) -> dict[int, object]:

@@ -7,7 +7,7 @@ import torch
 
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
-from tests.engine.test_engine import prompts
+from tests.helpers.engine import prompts
 
 
 class Kept:

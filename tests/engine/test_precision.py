@@ -19,7 +19,7 @@ import torch
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.models import resolve_dtype
-from tests.conftest import policy_params
+from tests.helpers.models import policy_params
 
 DEFAULT = resolve_dtype("auto")[0]
 ROUNDING = 8  # measured here: ~4 eps in float32, ~1 in bfloat16 (the embedded SmolLM2: ~8 and ~3)

@@ -10,7 +10,7 @@ import torch
 from epikv.engine import Engine, Request
 from epikv.engine.runner import prefill_pieces
 from epikv.policies import policy_names
-from tests.engine.test_engine import FLOAT_SENSITIVE, Logits, spec_for
+from tests.helpers.engine import FLOAT_SENSITIVE, Logits, spec_for
 
 PROMPT = torch.randint(2, 97, (100,), generator=torch.Generator().manual_seed(5)).tolist()
 CHUNK = 40  # pieces of 20, 40 and 40 tokens: the last is whole (policies read its last rows)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epikv.engine import Engine, Request
-from tests.engine.test_engine import spec_for
+from tests.helpers.engine import spec_for
 
 PROMPT = torch.randint(2, 97, (50,), generator=torch.Generator().manual_seed(7)).tolist()
 

@@ -1,15 +1,11 @@
-"""A live server on 127.0.0.1 (a free port) over a tiny random model with the embedded tokenizer."""
+"""The server tests' fixtures: a live server on 127.0.0.1 over a tiny random model with the embedded
+tokenizer (the helpers are in :mod:`tests.helpers.serve`)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -17,79 +13,8 @@ pytest.importorskip("openai")
 
 from epikv.engine import SchedulerLimits
 from epikv.integration import build_spec
-from tests.conftest import SERVE_MODEL_NAME as MODEL_NAME
-
-BANDS = {"band_a": 1, "band_b": 2}
-
-
-@dataclass
-class Live:
-    url: str
-    app: Any
-    server: Any
-    thread: threading.Thread
-
-    @property
-    def worker(self) -> Any:
-        return self.app.state.worker
-
-    def client(self, **kwargs: Any) -> Any:
-        from openai import OpenAI
-
-        kwargs = {"api_key": "none", "max_retries": 0, "timeout": 60, **kwargs}
-        return OpenAI(base_url=f"{self.url}/v1", **kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port: int, process, output, seconds: float = 120) -> None:
-    """Until the server process on ``port`` answers /health with 200; fails with the tail of its
-    ``output()`` if it exits first, or after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        assert process.poll() is None, output()[-2000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
-
-
-def start(
-    model: Any,
-    tokenizer: Any,
-    spec: Any,
-    limits: SchedulerLimits | None,
-    max_tokens: int = 256,
-    **http: Any,
-) -> Live:
-    """``http``: build_app's serve_limits and access."""
-    import uvicorn
-
-    from epikv.serve import build_app
-
-    app = build_app(model, tokenizer, spec, limits, MODEL_NAME, max_tokens, **http)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    return Live(f"http://127.0.0.1:{port}", app, server, thread)
-
-
-def stop(live: Live) -> None:
-    live.server.should_exit = True
-    live.thread.join(timeout=15)
-    assert not live.thread.is_alive(), "server did not stop"
+from tests.helpers.models import TINY_BANDS as BANDS
+from tests.helpers.serve import Live, start, stop
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from epikv.serve import Access, ServeLimits
-from tests.serve.conftest import MODEL_NAME, start, stop
+from tests.helpers.serve import MODEL_NAME, start, stop
 
 KEY = "sk-test-0123456789"
 LIMITS = ServeLimits(max_body_bytes=4096, max_json_depth=8, max_prompt_tokens=40)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from epikv.serve import Access, ServeLimits
-from tests.serve.conftest import MODEL_NAME, start, stop
+from tests.helpers.serve import MODEL_NAME, start, stop
 
 KEY = "hostile-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

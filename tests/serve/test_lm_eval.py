@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.serve.conftest import free_port, wait_healthy
+from tests.helpers.serve import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import torch
 
 from epikv.engine import Engine, Request, SamplingParams
 from epikv.integration import build_spec
-from tests.serve.conftest import MODEL_NAME, start, stop
+from tests.helpers.serve import MODEL_NAME, start, stop
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.serve.conftest import free_port, wait_healthy
+from tests.helpers.serve import free_port, wait_healthy
 
 
 def test_sigterm_drains_and_exits_within_seconds(serve_model_folder):

@@ -19,7 +19,8 @@ from epikv.integration import build_spec
 from epikv.models import resolve_dtype
 from epikv.serve.cli import batch_promise
 from epikv.serve.logprobs import TokenText
-from tests.serve.conftest import BANDS, MODEL_NAME, start, stop
+from tests.helpers.models import TINY_BANDS as BANDS
+from tests.helpers.serve import MODEL_NAME, start, stop
 
 QUESTIONS = ["What is 7 times 8?", "Name three prime numbers.", "Spell cat backwards.", "Say hi."]
 

@@ -1,7 +1,8 @@
-"""The budgeted KV cache (see :mod:`epikv.cache.budgeted`): the preallocated KV arena (``arena``), a
-cache layer over it in transformers' contract (``layer``), the per-row books (``books``), the cache
-that owns budgets, rows and compaction (``budgeted``) with its row verbs (``row_verbs``), the rings
-of sliding-window layers (``window``), and what policies and users read from it (``view``)."""
+"""The budgeted KV cache (see :mod:`epikv.cache.budgeted`): the preallocated KV arena, which alone
+writes and moves slots and rows (``arena``), a cache layer over it in transformers' contract
+(``layer``), the per-row books (``books``), the cache that owns budgets, rows and compaction
+(``budgeted``), the rings of sliding-window layers (``window``), and what policies and users read
+from it (``view``)."""
 
 from epikv.cache.arena import Arena, ArenaShape
 from epikv.cache.books import RowBooks

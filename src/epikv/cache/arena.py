@@ -11,17 +11,22 @@ holds), and the owner can cap it (a KV pool), so the bytes allocated are known u
 A *row view* (:meth:`Arena.row_view`) is an arena over one row of another: a request is prefilled
 straight into the row it will decode in, so admitting it copies nothing.
 
-It knows nothing of policies, budgets or models: only shapes, dtypes, slots and the gathers that
-move them.
+It is the one place slots and rows are written and moved (a step's new tokens, a compaction's kept
+slots, rows kept or appended — for the global layers and the sliding windows' rings alike), and it
+knows nothing of policies, budgets or models: only shapes, dtypes, slots and the gathers that move
+them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from epikv.selection import gather_slots, gather_tokens
+
+MIN_SLOTS = 64  # slots an arena without a reservation starts with; it then doubles as it fills
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,26 @@ class ArenaShape:
     position_heads: int = 1
     buffer_layers: int = 1
     buffer_heads: int = 1
+
+
+@dataclass(frozen=True)
+class Writes:
+    """Where a step's q new tokens go: slots ``start``..``start+q-1`` of rows 0..rows-1 when every
+    row is at the same fill (``index`` None), else slot ``index[r]`` of row r (q = 1); ``width`` is
+    the live rectangle's width after the step."""
+
+    rows: int
+    width: int
+    q: int
+    start: int = 0
+    index: torch.Tensor | None = None
+    row_ids: torch.Tensor | None = None
+
+    def slots(self) -> torch.Tensor:
+        """(rows, q) slot of each new token."""
+        if self.index is not None:
+            return self.index[:, None]
+        return (self.start + torch.arange(self.q)).expand(self.rows, self.q)
 
 
 class Arena:
@@ -113,6 +138,17 @@ class Arena:
             for name, buf in old[4].items():
                 self.buffers[name][:, :r, :, :n] = buf[:, :r, :, :n]
 
+    def slots_for(self, need: int, reserved: Sequence[int | None]) -> int:
+        """Slots to hold ``need``: more slots double (amortised: O(log n) copies as rows grow), never past
+        the widest reservation when every row has one (a full cache's prompt + max_new_tokens, or an
+        evicting row's K + tau), so the arena is at most the rectangle the scheduler admitted."""
+        if need <= self.slots:
+            return self.slots
+        grown = max(need, 2 * self.slots, MIN_SLOTS)
+        if reserved and all(r is not None for r in reserved):
+            grown = min(grown, max(r for r in reserved if r is not None))
+        return max(need, grown)
+
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The per-token buffer ``name``, made (zeros) on first use at the widest (G, H) layout."""
         buf = self.buffers.get(name)
@@ -139,9 +175,37 @@ class Arena:
         return view
 
     def is_view_of(self, other: Arena, row: int) -> bool:
-        return self._parent is other and self._row == row
+        """Whether this arena is row ``row`` of ``other``, on its current storage (a view taken
+        before ``other`` grew reads the old storage)."""
+        if self._parent is not other or self._row != row:
+            return False
+        return self.valid.untyped_storage().data_ptr() == other.valid.untyped_storage().data_ptr()
 
-    # -- moving slots within rows ------------------------------------------------------------------
+    # -- a step's writes -------------------------------------------------------------------------
+    def write_tokens(self, writes: Writes, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """The true positions (rows, q) int32 (-1 at pads) and validity (rows, q) of a step's new tokens."""
+        if writes.index is None:
+            new = slice(writes.start, writes.start + writes.q)
+            self.positions[:, : writes.rows, :, new] = positions[None, :, None, :]
+            self.valid[: writes.rows, new] = valid
+        else:
+            self.positions[:, writes.row_ids, :, writes.index] = positions[:, 0, None, None]
+            self.valid[writes.row_ids, writes.index] = valid[:, 0]
+
+    def write_values(self, name: str, value: torch.Tensor, writes: Writes) -> None:
+        """A policy's per-token values (G, rows, H, n) into buffer ``name``: every live slot (n = the
+        step's width) or the step's new tokens (n = q)."""
+        buf, rows, q = self.buffer(name, value), writes.rows, writes.q
+        if value.shape[-1] == writes.width:
+            buf[:, :rows, :, : writes.width] = value
+        elif value.shape[-1] != q:
+            raise ValueError(f"policy buffer {name!r} has {value.shape[-1]} slots, not {q} or {writes.width}")
+        elif writes.index is None:
+            buf[:, :rows, :, writes.start : writes.start + q] = value
+        else:
+            buf[:, writes.row_ids, :, writes.index] = value[..., 0].transpose(0, 1)
+
+    # -- moving rows and slots ------------------------------------------------------------------
     def clear_rows(self, rows: torch.Tensor | slice, start: int | torch.Tensor, end: int) -> None:
         """Mark slots start..end-1 of ``rows`` as holes (``start`` per row, (b,), or one for all)."""
         if isinstance(start, int):
@@ -171,7 +235,29 @@ class Arena:
         for name, buf in source.buffers.items():
             self.buffer(name, buf)[:, dst, :, :slots] = buf[:, src, :, :slots]
 
-    def keep(
+    def keep_rows(self, index: Sequence[int], rows: int, slots: int) -> None:
+        """Of the first ``rows`` rows keep rows ``index``, in that order, as rows 0..len(index)-1 (first
+        ``slots`` slots); only rows that change place are copied, and the rows after them become holes."""
+        moves = [(dst, src) for dst, src in enumerate(index) if dst != src]
+        if moves:
+            device = self.valid.device
+            dst = torch.tensor([m[0] for m in moves], device=device)
+            src = torch.tensor([m[1] for m in moves], device=device)
+            self.copy_rows(dst, src, slots)
+        if len(index) < rows:
+            self.clear_rows(slice(len(index), rows), 0, slots)
+
+    def append_rows(self, source: Arena, rows: int, at: int, slots: int) -> None:
+        """The first ``rows`` rows of ``source`` written at rows ``at``.. (first ``slots`` slots), unless
+        ``source`` is a row view of this arena at ``at`` (a request prefilled in place: nothing moves).
+        The caller has made room."""
+        if source.is_view_of(self, at):
+            return
+        device = self.valid.device
+        dst = torch.arange(at, at + rows, device=device)
+        self.copy_rows(dst, torch.arange(rows, device=device), slots, source=source)
+
+    def keep_slots(
         self,
         rows: torch.Tensor | slice,
         index: torch.Tensor,

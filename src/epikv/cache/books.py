@@ -69,6 +69,18 @@ class RowBooks(RowState):
             passes=list(zeros),
         )
 
+    @classmethod
+    def holding(
+        cls, length: int, since: int, budget: int | None, reserved: int | None, device: torch.device
+    ) -> RowBooks:
+        """Books of one row that already holds a prompt of ``length`` tokens, none evicted and no pass
+        decoded (a shared prompt prefix copied in)."""
+        prompt = torch.full((1,), length, dtype=torch.long, device=device)
+        books = cls.start(prompt, since, budget, reserved)
+        books.seen = prompt.clone()
+        books.grow([length], length, decode=False)
+        return books
+
     def __len__(self) -> int:
         return len(self.fill)
 

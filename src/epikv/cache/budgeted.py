@@ -7,26 +7,27 @@ each slot's true position, which slots are real, the per-token values policies s
 per-row state, and the counters users read (:class:`~epikv.cache.books.RowBooks`). Storage is an
 :class:`~epikv.cache.arena.Arena`: a step writes each row's new token at the row's next slot, a
 compaction moves the kept slots to the front of their row, and nothing is concatenated. Rows can be
-taken out and joined between steps (:meth:`BudgetedCache.take_rows`, :meth:`BudgetedCache.append`),
+taken out and joined between steps (:meth:`BudgetedCache.keep_rows`, :meth:`BudgetedCache.append`),
 which is what the engine's continuous batching rests on; a request is prefilled straight into the
 row it will decode in (:meth:`BudgetedCache.row_cache`). It calls the policy through two narrow
 calls (``observe`` each step, ``score`` at a compaction) and never branches on a policy's type. It
 does not know the model: the integration module feeds it each step's new tokens
-(:meth:`begin_step`) and signals (:meth:`end_step`).
+(:meth:`begin_step`) and signals (:meth:`end_step`), and a prompt fed in several forwards is one
+prefill inside :meth:`BudgetedCache.chunked_prefill`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from epikv.cache.arena import Arena, ArenaShape
+from epikv.cache.arena import Arena, ArenaShape, Writes
 from epikv.cache.books import RowBooks
-from epikv.cache.layer import BudgetedLayer, Writes
-from epikv.cache.row_verbs import RowVerbs
+from epikv.cache.layer import BudgetedLayer
 from epikv.cache.view import SequenceStats, SlotView
 from epikv.cache.window import WindowLayer, Windows, windows_for
 from epikv.policies.base import ModelInfo, StepSignals
@@ -34,7 +35,6 @@ from epikv.policies.rows import cat_rows, take_rows
 from epikv.spec import CacheSpec
 
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-MIN_SLOTS = 64  # slots a cache without a reservation starts with; it then doubles as it fills
 
 
 def arena_shape(spec: CacheSpec, model: ModelInfo) -> ArenaShape:
@@ -50,7 +50,7 @@ def _book(name: str) -> Any:
     return property(lambda cache: getattr(cache.books, name), doc=f"The rows' ``{name}`` (RowBooks).")
 
 
-class BudgetedCache(RowVerbs, Cache):
+class BudgetedCache(Cache):
     """A cache holding at most K real tokens per row after each of the row's compactions, and at most
     K + tau in between. The spec's budget None never evicts (the ``full`` policy); ``budget`` narrows
     this cache's K below the spec's (a request's own budget). ``max_slots`` caps the arena (rows x
@@ -97,13 +97,9 @@ class BudgetedCache(RowVerbs, Cache):
         self.books = RowBooks.empty(self.arena.device)
         self.width = 0
         self.compactions = 0
-        self._writes: Writes | None = None
-        self._pending_q = 0
+        self._writes = Writes(0, 0, 0)
         self._resize(0, 0)
-        # A long prompt comes in several forwards (epikv.engine.runner): ``prompt_follows`` is set
-        # before each forward but the last, and the next forward then continues the prefill.
-        self.prompt_follows = False
-        self._prefill_open = False
+        self._chunked = False  # inside chunked_prefill: the forwards feed one prompt
         self._started = False
 
     def reset(self) -> None:
@@ -132,7 +128,7 @@ class BudgetedCache(RowVerbs, Cache):
     @property
     def in_prefill(self) -> bool:
         """Whether the next forward feeds prompt tokens (the first one, or a later chunk of a prompt)."""
-        return not self.started or self._prefill_open
+        return not self.started or self._chunked
 
     @property
     def interval(self) -> int:
@@ -180,6 +176,83 @@ class BudgetedCache(RowVerbs, Cache):
         kwargs["writes"] = self._writes
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
+    # -- rows (continuous batching): rows leave, join, and are prefilled in place -----------------
+    def keep_rows(self, index: Sequence[int]) -> None:
+        """Keep only rows ``index`` (in that order), freeing what the others held for reuse. Only rows
+        that change place are copied (pass survivors moved into the gaps to copy the fewest)."""
+        index = list(index)
+        if not index:
+            self.reset()
+            return
+        self.arena.keep_rows(index, self.batch_size, self.width)
+        if self.windows is not None:
+            self.windows.keep_rows(index)
+        self.books = self.books.take(index)
+        self.state = take_rows(self.state, index)
+        self._resize(len(index), max(self.books.fill))
+
+    def row_cache(
+        self, budget: int | None = None, reserved: int | None = None, need: int = 1
+    ) -> BudgetedCache:
+        """An empty one-row cache over the next free row of this cache's arena, with room for ``need``
+        slots (its prompt) and up to ``reserved`` as it grows: prefill it, then :meth:`append` it
+        without a copy."""
+        row = self.batch_size
+        slots = self.arena.slots_for(max(need, self.width), [reserved, *self.books.reserved])
+        self.arena.ensure(row + 1, slots, row, self.width)
+        self.arena.clear_rows(slice(row, row + 1), 0, self.arena.slots)
+        windows = self.windows.row_view(row) if self.windows is not None else None
+        cache = type(self)(self.spec, self.model, budget, arena=self.arena.row_view(row), windows=windows)
+        cache.reservation = reserved
+        cache.project_queries, cache.owner = self.project_queries, self.owner
+        return cache
+
+    def append(self, other: BudgetedCache) -> None:
+        """Join the rows of ``other`` (same spec, already prefilled) after this cache's rows."""
+        if other.spec != self.spec:
+            raise ValueError("only caches of one spec can share a batch")
+        if not other.started:
+            raise ValueError("a cache must be prefilled before it joins a batch")
+        b, m = self.batch_size, other.batch_size
+        slots = self.arena.slots_for(max(self.width, other.width), self.books.reserved + other.books.reserved)
+        self.arena.ensure(b + m, slots, b, self.width)
+        self.arena.append_rows(other.arena, m, b, other.width)
+        if self.windows is not None:
+            self.windows.append(other.windows)
+        # Copies, never the other cache's objects: it may go on (a prefix, a benchmark's source row).
+        rows = list(range(m))
+        self.books = RowBooks.cat([self.books, other.books]) if b else other.books.take(rows)
+        self.state = cat_rows([self.state, other.state]) if b else take_rows(other.state, rows)
+        self._started = True
+        self._resize(b + m, max(self.books.fill))
+
+    def copy_prefix(self, length: int, into: BudgetedCache) -> None:
+        """Fill the empty one-row cache ``into`` with this cache's first ``length`` slots, for a row that
+        evicted nothing under a stateless policy (the full cache): a shared prompt prefix."""
+        if self.windows is not None:
+            raise ValueError(
+                "a cache with sliding-window layers cannot share a prefix (its rings hold the last W)"
+            )
+        if self.batch_size != 1 or self.books.compactions[0] or self.state is not None or self.buffers:
+            raise ValueError(
+                "only a one-row cache that evicted nothing, without policy state, can be a prefix"
+            )
+        if not 0 < length <= self.books.held[0] or self.has_holes:
+            raise ValueError(f"prefix length must be in 1..{self.books.held[0]}, got {length}")
+        into.arena.ensure(1, into.arena.slots_for(length, [into.reservation]), 0, 0)
+        into.arena.append_rows(self.arena, 1, 0, length)
+        device = self.books.prompt_len.device
+        into.books = RowBooks.holding(length, self.interval, into.budget, into.reservation, device)
+        into.state, into._started = None, True
+        into._resize(1, length)
+
+    def prefix(self, length: int) -> BudgetedCache:
+        """A new one-row cache (same hooks) holding this cache's first ``length`` slots (a copy)."""
+        new = type(self)(self.spec, self.model, dtype=self.arena.dtype, device=self.arena.device)
+        new.owner, new.project_queries = self.owner, self.project_queries
+        self.copy_prefix(length, new)
+        return new
+
     # -- step protocol used by the integration module -------------------------------------------
     def next_positions(self, new_valid: torch.Tensor) -> torch.Tensor:
         """True positions of the new tokens (B, q): tokens seen so far plus their rank; 0 at pads."""
@@ -189,7 +262,7 @@ class BudgetedCache(RowVerbs, Cache):
 
     def begin_step(self, new_valid: torch.Tensor, positions: torch.Tensor) -> None:
         batch, q = new_valid.shape
-        decode = self.started and not self._prefill_open
+        decode = not self.in_prefill
         if not self.started:
             real = new_valid.sum(dim=-1)
             added = real.tolist()  # one host sync per prefill
@@ -200,8 +273,7 @@ class BudgetedCache(RowVerbs, Cache):
             self.state = self.policy.init_state(batch, self.model, new_valid.device)
             self._started = True
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
-            chunk = self._prefill_open  # a later chunk of the prompt: the prompt grows, nothing is decoded
-            if chunk:
+            if self._chunked:  # a later chunk of the prompt: the prompt grows, nothing is decoded
                 self.books.prompt_len = self.books.prompt_len + new_valid.sum(dim=-1)
                 for tokens in self.books.prompt_len.tolist():  # one host sync per chunk
                     self.spec.check_prompt(tokens, self.budget)
@@ -216,82 +288,55 @@ class BudgetedCache(RowVerbs, Cache):
         """Choose each row's slots for the q new tokens, make room, and write positions and validity."""
         fills, batch = self.books.fill, len(self.books.fill)
         width = max(fills) + q
-        self._make_room(batch, width)
-        pos = positions.masked_fill(~new_valid, -1).to(torch.int32)
-        arena = self.arena
+        if batch > self.arena.rows or width > self.arena.slots:
+            slots = self.arena.slots_for(width, self.books.reserved)
+            self.arena.ensure(batch, slots, batch, self.width)
         if min(fills) == max(fills):
-            start = fills[0]
-            self._writes = Writes(batch, width, start)
-            arena.positions[:, :batch, :, start : start + q] = pos[None, :, None, :]
-            arena.valid[:batch, start : start + q] = new_valid
+            self._writes = Writes(batch, width, q, fills[0])
         else:
             if q != 1:
                 raise ValueError(f"rows at different lengths take one token per step, got {q}")
-            rows = torch.arange(batch, device=pos.device)
-            index = torch.tensor(fills, device=pos.device)
-            self._writes = Writes(batch, width, 0, index, rows)
-            arena.positions[:, rows, :, index] = pos[:, 0, None, None]
-            arena.valid[rows, index] = new_valid[:, 0]
-        self._pending_q = q
+            rows = torch.arange(batch, device=positions.device)
+            self._writes = Writes(batch, width, q, 0, torch.tensor(fills, device=positions.device), rows)
+        pos = positions.masked_fill(~new_valid, -1).to(torch.int32)
+        self.arena.write_tokens(self._writes, pos, new_valid)
         self.width = width  # the layers take it as each writes (until then they answer the old width)
 
-    def _make_room(self, rows: int, width: int) -> None:
-        if rows <= self.arena.rows and width <= self.arena.slots:
-            return
-        reserved = self.books.reserved if self.started and self.books.reserved else [self.reservation]
-        slots = self._slots_for(width, reserved)
-        self.arena.ensure(rows, slots, self.batch_size if self.started else 0, self.width)
-
-    def _slots_for(self, need: int, reserved: Sequence[int | None]) -> int:
-        """Slots to hold ``need``: more slots double (amortised: O(log n) copies as rows grow), never past
-        the widest reservation when every row has one (a full cache's prompt + max_new_tokens, or an
-        evicting row's K + tau), so the arena is at most the rectangle the scheduler admitted."""
-        current = self.arena.slots
-        if need <= current:
-            return current
-        grown = max(need, 2 * current, MIN_SLOTS)
-        if reserved and all(r is not None for r in reserved):
-            grown = min(grown, max(r for r in reserved if r is not None))
-        return max(need, grown)
-
     def end_step(self, signals: StepSignals) -> None:
-        q, batch, writes = self._pending_q, self.batch_size, self._writes
-        old = self.width - q
-        signals.buffers = {name: buf[:, :batch, :, :old] for name, buf in self.arena.buffers.items()}
+        writes = self._writes
+        old = self.width - writes.q
+        signals.buffers = {name: buf[:, : writes.rows, :, :old] for name, buf in self.arena.buffers.items()}
         signals.slots_valid = self.valid
-        signals.write_slots = self._slot_index(writes, q)
+        signals.write_slots = writes.slots()
         for name, value in self.policy.observe(self.state, signals).items():
-            buf = self.arena.buffer(name, value)
-            if value.shape[-1] == self.width:
-                buf[:, :batch, :, : self.width] = value
-            elif value.shape[-1] != q:
-                raise ValueError(
-                    f"policy buffer {name!r} has {value.shape[-1]} slots, not {q} or {self.width}"
-                )
-            elif writes.index is None:
-                buf[:, :batch, :, writes.start : writes.start + q] = value
-            else:
-                buf[:, writes.row_ids, :, writes.index] = value[..., 0].transpose(0, 1)
+            self.arena.write_values(name, value, writes)
         self.books.seen = self.books.seen + signals.valid.sum(dim=-1)
         if self.windows is not None:
             self.windows.end_step()
         if not signals.prefill:
             self.books.since = [s + 1 for s in self.books.since]
-        self._prefill_open, self.prompt_follows = self.prompt_follows, False
-        if self._prefill_open:  # no compaction inside a prompt: its tokens are all protected or seen
-            return
+        if not self._chunked:  # no compaction inside a prompt: its tokens are all protected or seen
+            self._compact_due()
+
+    @contextmanager
+    def chunked_prefill(self) -> Iterator[None]:
+        """The forwards inside feed one prompt into this empty cache in pieces (epikv.engine.runner),
+        which the cache and the policies see as one prefill: the rows due compact after the last."""
+        if self.started:
+            raise ValueError("a chunked prefill feeds an empty cache (a prefix is extended by steps)")
+        self._chunked = True
+        try:
+            yield
+        finally:
+            self._chunked = False
+        self._compact_due()
+
+    # -- compaction ----------------------------------------------------------------------------
+    def _compact_due(self) -> None:
         due = self.books.due(self.interval)
         if due:
             self.compact(due)
 
-    @staticmethod
-    def _slot_index(writes: Writes, q: int) -> torch.Tensor:
-        """(B, q) slot of each new token."""
-        if writes.index is not None:
-            return writes.index[:, None]
-        return (writes.start + torch.arange(q)).expand(writes.rows, q)
-
-    # -- compaction ----------------------------------------------------------------------------
     def compact(self, rows: Sequence[int] | None = None) -> None:
         """Score, select and move ``rows`` (default: every row with a budget): the only place tokens
         leave the cache. Each budget among ``rows`` is scored in one call, so a policy always sees
@@ -316,7 +361,7 @@ class BudgetedCache(RowVerbs, Cache):
             self.arena.valid[pick, :width],
             [budgets[r] for r in order],
         )
-        self.arena.keep(pick, sel.index, sel.valid, sel.kept, width)
+        self.arena.keep_slots(pick, sel.index, sel.valid, sel.kept, width)
         self.books.compacted(order, sel.kept.tolist())
         self._resize(self.batch_size, max(self.books.fill))
         self.compactions += 1

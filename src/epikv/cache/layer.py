@@ -2,32 +2,19 @@
 
 A :class:`BudgetedLayer` owns no storage: its keys and values are the layer's tensors in the
 cache's :class:`~epikv.cache.arena.Arena`, and :meth:`update` writes a step's new keys and values
-at the slots the cache chose for them (:class:`Writes`) and returns views of the live rectangle —
-nothing is concatenated. The cache owns rows, slots and positions; the layer only writes and reads.
+at the slots the cache chose for them (:class:`~epikv.cache.arena.Writes`) and returns views of the
+live rectangle — nothing is concatenated. The cache owns rows, slots and positions; the layer only
+writes and reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from epikv.cache.arena import Arena
-
-
-@dataclass(frozen=True)
-class Writes:
-    """Where a step's q new tokens go: slots ``start``..``start+q-1`` of rows 0..rows-1 when every
-    row is at the same fill (``index`` None), else slot ``index[r]`` of row r (q = 1); ``width`` is
-    the live rectangle's width after the step."""
-
-    rows: int
-    width: int
-    start: int = 0
-    index: torch.Tensor | None = None
-    row_ids: torch.Tensor | None = None
+from epikv.cache.arena import Arena, Writes
 
 
 class ArenaViewLayer(CacheLayerMixin):
@@ -42,7 +29,7 @@ class ArenaViewLayer(CacheLayerMixin):
         """Nothing to do: the cache allocates the storage before the first write."""
 
     # The row verbs transformers' generate may call would move keys without their positions, books and
-    # policy state: the cache's own row operations (take_rows, append) are the only way rows move.
+    # policy state: the cache's own row operations (keep_rows, append) are the only way rows move.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("beam search is not supported with a budgeted cache (its rows evict independently)")
 
@@ -53,7 +40,7 @@ class ArenaViewLayer(CacheLayerMixin):
         raise ValueError("a budgeted cache cannot repeat rows (use one row per sequence)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise ValueError("a budgeted cache keeps rows through BudgetedCache.take_rows only")
+        raise ValueError("a budgeted cache keeps rows through BudgetedCache.keep_rows only")
 
 
 class BudgetedLayer(ArenaViewLayer):

@@ -12,11 +12,12 @@ query's window, by true position. Ring slots hold tokens out of positional order
 does not see: the mask is built from the positions, never from slot order.
 
 Storage is an :class:`~epikv.cache.arena.Arena` (one layer per sliding layer, W+1 slots), so rows
-are taken, joined and viewed with the same verbs as the global layers' arena.
+are kept, appended and viewed by the same arena verbs as the global layers' rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -100,24 +101,17 @@ class Windows:
 
         return allowed
 
-    # -- rows ------------------------------------------------------------------------------------
-    def take_rows(self, moves: list[tuple[int, int]], kept: int) -> None:
-        if moves:
-            device = self.arena.valid.device
-            dst = torch.tensor([m[0] for m in moves], device=device)
-            src = torch.tensor([m[1] for m in moves], device=device)
-            self.arena.copy_rows(dst, src, self.slots)
-        if kept < self.rows:
-            self.arena.clear_rows(slice(kept, self.rows), 0, self.slots)
-        self.rows = kept
+    # -- rows (the arena moves them; the cache calls these beside its own) ---------------------
+    def keep_rows(self, index: Sequence[int]) -> None:
+        """Keep only rings ``index``, in that order (see :meth:`Arena.keep_rows`)."""
+        self.arena.keep_rows(index, self.rows, self.slots)
+        self.rows = len(index)
 
     def append(self, other: Windows) -> None:
+        """Join the rings of ``other`` (prefilled) after these."""
         b, m = self.rows, other.rows
-        if not other.arena.is_view_of(self.arena, b):
-            self.ensure(b + m, b)
-            device = self.arena.valid.device
-            dst = torch.arange(b, b + m, device=device)
-            self.arena.copy_rows(dst, torch.arange(m, device=device), self.slots, source=other.arena)
+        self.ensure(b + m, b)
+        self.arena.append_rows(other.arena, m, b, self.slots)
         self.rows, self.fresh = b + m, False
 
     def row_view(self, row: int) -> Windows:

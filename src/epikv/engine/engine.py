@@ -219,14 +219,14 @@ class Engine:
         out = [self._completion(self.rows[r], compactions[r], stats[r]) for r in rows]
         self.evictions_done += sum(c.evictions for c in out)
         keep = fill_gaps(len(self.rows), rows)
-        self.cache.take_rows(keep)
+        self.cache.keep_rows(keep)
         self.rows = [self.rows[r] for r in keep]
         return out
 
     def clear(self) -> None:
         """Drop every running row and waiting request at once, without completions (after a step
         that failed: the rows' state cannot be trusted)."""
-        self.cache.take_rows([])
+        self.cache.keep_rows([])
         self.rows = []
         self.scheduler.waiting.clear()
 

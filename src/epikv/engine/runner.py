@@ -11,6 +11,7 @@ caches and knows nothing of queues or requests' lifetimes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -65,10 +66,10 @@ class Runner:
         ``on_logits`` hears (start, logits (q, V)) of every position of each chunk (logits_to_keep=0)."""
         ids = list(ids)
         pieces = prefill_pieces(len(ids), self.prefill_chunk)
-        extends = cache.started  # a prefix (full cache, no policy state): plain extension steps
-        with self.attachment:
+        # A started cache is a prefix (full cache, no policy state): the rest extends it by plain steps.
+        prompt = nullcontext() if cache.started else cache.chunked_prefill()
+        with self.attachment, prompt:
             for start, end in pieces:
-                cache.prompt_follows = not extends and end < len(ids)
                 input_ids = torch.tensor([ids[start:end]], dtype=torch.long, device=self.device)
                 keep = 0 if on_logits is not None else 1
                 out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep)

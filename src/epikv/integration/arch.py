@@ -136,7 +136,7 @@ HYBRID_PROVEN = (
     "a prompt prefilled in chunks == one pass (ring, then each chunk, masked by position)",
     "rings are counted in the KV pool: allocated bytes <= pool x bytes of a global-layer slot",
 )
-"""What tests/test_hybrid.py (and tests/engine/test_arena.py) add for the hybrid entries."""
+"""What tests/cache/test_window.py (and tests/cache/test_arena.py) add for the hybrid entries."""
 
 
 def text_config(model: nn.Module) -> Any:

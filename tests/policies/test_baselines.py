@@ -22,7 +22,7 @@ from epikv.policies.raas import RaaS
 from epikv.policies.rkv import RKV
 from epikv.policies.snapkv import SnapKV
 from epikv.spec import CacheSpec
-from tests.conftest import make_tiny
+from tests.helpers.models import make_tiny
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
 

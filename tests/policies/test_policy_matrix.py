@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import epikv
 from epikv.generation import SamplingConfig, generate
 from epikv.policies import policy_class, policy_names
-from tests.conftest import policy_params
+from tests.helpers.models import policy_params
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
 

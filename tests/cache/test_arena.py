@@ -1,5 +1,6 @@
 """The KV arena: memory is allocated once and written in place, the pool is physical, finished rows'
-slots are reused, grouped-query heads are never repeated, and Seg-Q's first compaction waits tau."""
+slots are reused, grouped-query heads are never repeated, Seg-Q's first compaction waits tau, and
+rows move only through the arena (kept rows forward, other rows appended, a row view left in place)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import torch
 import transformers.integrations.sdpa_attention as sdpa
 
 import epikv
+from epikv.cache import Arena, ArenaShape
 from epikv.engine import Engine, Request, SchedulerLimits
 from epikv.engine.engine import fill_gaps
 from epikv.integration import model_info
 from epikv.models.tiny import tiny_model
-from tests.conftest import policy_params
-from tests.engine.test_engine import prompts, spec_for
+from tests.helpers.engine import prompts, spec_for
+from tests.helpers.models import policy_params
 
 
 def slot_bytes(model) -> int:
@@ -150,3 +152,62 @@ def test_segq_first_compaction_schedule(tiny_llama, schedule, expected):
                 at.append(step)
     assert at == expected
     assert cache.stats()[0].peak_cache_tokens == 22  # K + tau
+
+
+def numbered_arena(rows: int, slots: int) -> Arena:
+    """An arena whose every slot holds its row number + 1 (keys, values, positions, a buffer), all real."""
+    arena = Arena(ArenaShape(layers=2, kv_heads=2, head_dim=3), torch.float32, torch.device("cpu"))
+    arena.ensure(rows, slots, 0, 0, exact=True)
+    arena.buffer("score", torch.zeros(1, rows, 1, slots))
+    for row in range(rows):
+        for store in (*arena.keys, *arena.values):
+            store[row] = row + 1
+        arena.positions[:, row] = row + 1
+        arena.buffers["score"][:, row] = row + 1
+    arena.valid[:] = True
+    return arena
+
+
+def row_numbers(arena: Arena, rows: int) -> list[int]:
+    """The number each of the first ``rows`` rows holds (0 for a row of holes), checked uniform."""
+    out = []
+    for row in range(rows):
+        if not arena.valid[row].any():
+            assert (arena.positions[:, row] == -1).all() and (arena.buffers["score"][:, row] == 0).all()
+            out.append(0)
+            continue
+        number = int(arena.positions[0, row, 0, 0])
+        for tensor in (*(s[row] for s in (*arena.keys, *arena.values)), arena.buffers["score"][:, row]):
+            assert (tensor == number).all()
+        out.append(number)
+    return out
+
+
+def test_keep_rows_moves_the_kept_rows_forward_and_frees_the_rest():
+    arena = numbered_arena(4, 5)
+    arena.keep_rows([3, 1], rows=4, slots=5)  # row 1 stays where it is; row 3 fills the gap at 0
+    assert row_numbers(arena, 4) == [4, 2, 0, 0]
+    arena.keep_rows([1, 0], rows=2, slots=5)  # a swap reads every source before writing
+    assert row_numbers(arena, 4) == [2, 4, 0, 0]
+
+
+def test_append_rows_copies_other_rows_but_not_a_view_of_its_own():
+    arena = numbered_arena(3, 4)
+    view = arena.row_view(2)
+    assert view.is_view_of(arena, 2) and not view.is_view_of(arena, 1)
+    view.valid[0, 0] = False  # written through the view: the arena sees it, appending moves nothing
+    arena.append_rows(view, 1, at=2, slots=4)
+    assert not arena.valid[2, 0] and arena.valid[2, 1:].all()
+    other = numbered_arena(2, 4)
+    arena.append_rows(other, 2, at=1, slots=4)  # rows 0 and 1 of the other arena land at 1 and 2
+    assert row_numbers(arena, 3) == [1, 1, 2]
+
+
+def test_a_view_taken_before_the_arena_grew_is_no_longer_a_view():
+    arena = numbered_arena(2, 4)
+    view = arena.row_view(1)
+    arena.ensure(8, 4, 2, 4)
+    assert not view.is_view_of(arena, 1)  # it reads the old storage: appending it must copy
+    arena.valid[1] = False
+    arena.append_rows(view, 1, at=1, slots=4)
+    assert row_numbers(arena, 2) == [1, 2]
