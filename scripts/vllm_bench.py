@@ -144,6 +144,7 @@ def main() -> None:
                         "budget": args.budget,
                         "n": 16,
                         "t": t,
+                        "blocks": 16 * -(-(t + 256) // BLOCK) + 1,  # every full cache fits: no preemption
                         "max_model_len": t + 256,
                     }
                     records.append(run_child(job))

@@ -71,7 +71,11 @@ def test_an_openai_client_gets_an_answer_with_bounded_memory(server):
     stats = reply.model_extra["kv_transfer_params"]["epikv"]
     assert stats["peak_cache_tokens"] == 128 + 128  # K + tau of Seg-Q
     assert stats["evictions"] > 0 and stats["compactions"] >= 1
-    assert "vllm:num_requests_running" in httpx.get(server + "/metrics").text  # vLLM's metrics, unchanged
+    metrics = httpx.get(server + "/metrics").text
+    assert "vllm:num_requests_running" in metrics  # vLLM's own metrics, unchanged
+    assert "epikv:peak_cache_tokens_bucket" in metrics  # and the plugin's, per finished request
+    evicted = [line for line in metrics.splitlines() if line.startswith("epikv:evicted_tokens_total")]
+    assert evicted and float(evicted[0].split()[-1]) >= stats["evictions"]
 
 
 def test_a_prompt_the_budget_cannot_hold_gets_a_400_naming_the_smallest_budget(server):

@@ -3,9 +3,10 @@
 :func:`register` (idempotent) maps the capped KV cache spec to its manager in vLLM's registry and
 wraps the platform's ``check_and_update_config`` so that a config carrying
 ``additional_config["epikv"]`` gets the plugin's worker and scheduler (unless the user named others)
-and is checked once, at start-up, with one line per refusal; and ``validate_request``, so a prompt
+and is checked once, at start-up, with one line per refusal; ``validate_request``, so a prompt
 that cannot run under the budget is refused before it reaches the engine (an HTTP 400 under
-``vllm serve``). Without that key nothing changes.
+``vllm serve``); and the front end's output processor, so finished requests' counters become
+Prometheus metrics (:mod:`epikv.vllm.metrics`). Without that key nothing changes.
 """
 
 from __future__ import annotations
@@ -55,7 +56,23 @@ def register() -> None:
 
     platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
     platform.validate_request = classmethod(validate_request)  # type: ignore[method-assign]
+    _observe_outputs()
     _DONE = True
+
+
+def _observe_outputs() -> None:
+    """Count each finished request's counters into Prometheus as its output reaches the front end."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from epikv.vllm.metrics import observe_outputs
+
+    process = OutputProcessor.process_outputs
+
+    def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        observe_outputs(engine_core_outputs)
+        return process(self, engine_core_outputs, *args, **kwargs)
+
+    OutputProcessor.process_outputs = process_outputs  # type: ignore[method-assign]
 
 
 def _settings(vllm_config: Any) -> Any:
