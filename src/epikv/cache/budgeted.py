@@ -31,7 +31,7 @@ from epikv.cache.layer import BudgetedLayer
 from epikv.cache.view import SequenceStats, SlotView
 from epikv.cache.window import WindowLayer, Windows, windows_for
 from epikv.policies.base import ModelInfo, StepSignals
-from epikv.policies.rows import cat_rows, take_rows
+from epikv.policies.rows import cat_rows, on_rows, take_rows
 from epikv.spec import CacheSpec
 
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -369,12 +369,6 @@ class BudgetedCache(Cache):
     def _score(self, rows: list[int], budget: int) -> torch.Tensor:
         """The policy's scores for ``rows`` at one budget, (G, len(rows), H, L). The policy sees those
         rows only (and their state, written back after: scoring may advance it)."""
-        if len(rows) == self.batch_size:
-            return self.policy.score(self.state, SlotView(self, None, budget))
-        state = take_rows(self.state, rows)
-        scores = self.policy.score(state, SlotView(self, rows, budget))
-        others = [r for r in range(self.batch_size) if r not in rows]
-        merged = cat_rows([take_rows(self.state, others), state])
-        order = others + rows
-        self.state = take_rows(merged, sorted(range(len(order)), key=order.__getitem__))
+        view = SlotView(self, None if len(rows) == self.batch_size else rows, budget)
+        scores, self.state = on_rows(self.state, rows, self.batch_size, lambda s: self.policy.score(s, view))
         return scores

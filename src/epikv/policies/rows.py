@@ -11,13 +11,14 @@ policy's type; a state whose per-row tensors can differ in their other dims over
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 S = TypeVar("S", bound="RowState")
+R = TypeVar("R")
 
 
 @dataclass
@@ -91,6 +92,19 @@ def cat_rows(states: Sequence[Any]) -> Any:
         kinds = sorted({type(s).__name__ for s in states})
         raise TypeError(f"cannot concatenate policy states of types {kinds}")
     return type(states[0]).cat(states)
+
+
+def on_rows(state: Any, rows: Sequence[int], total: int, run: Callable[[Any], R]) -> tuple[R, Any]:
+    """Run ``run`` on the state of rows ``rows`` of a batch of ``total`` rows and put that state back
+    in place (scoring may advance it): returns (what ``run`` returned, the whole batch's state)."""
+    if list(rows) == list(range(total)):
+        return run(state), state
+    part = take_rows(state, rows)
+    result = run(part)
+    others = [r for r in range(total) if r not in rows]
+    merged = cat_rows([take_rows(state, others), part])
+    order = others + list(rows)
+    return result, take_rows(merged, sorted(range(total), key=order.__getitem__))
 
 
 def pad_last(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -83,16 +83,3 @@ class Requests:
             if req_id in self.records:
                 self.records[req_id] = Record(self._books.take([row]), take_rows(self._state, [row]))
         self._order, self._books, self._state = [], None, None
-
-
-def score_rows(state: Any, rows: list[int], total: int, run: Any) -> tuple[Any, Any]:
-    """Run ``run(state_of_rows)`` on some rows of a batch state and put their (possibly advanced)
-    state back in place: returns (run's result, the whole batch's state)."""
-    if rows == list(range(total)):
-        return run(state), state
-    part = take_rows(state, rows)
-    result = run(part)
-    others = [r for r in range(total) if r not in rows]
-    merged = cat_rows([take_rows(state, others), part])
-    order = others + rows
-    return result, take_rows(merged, sorted(range(total), key=order.__getitem__))

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from epikv.policies.base import ModelInfo, StepSignals
+from epikv.policies.rows import on_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import PagedView, SlotStore, compact
 from epikv.vllm.config import EpiKVSettings, cap_tokens
-from epikv.vllm.requests import Requests, score_rows
+from epikv.vllm.requests import Requests
 
 
 class EpiKVWorkerState:
@@ -197,7 +198,7 @@ class EpiKVWorkerState:
             books.seen[rows],
             self.spec.budget,
         )
-        result, state = score_rows(
+        result, state = on_rows(
             state, rows, len(books), lambda part: compact(self.store, self.spec, part, view)
         )
         books.compacted(rows, result.kept)
