@@ -147,3 +147,10 @@ def test_facts_and_rows_report_both_loop_detectors():
     test = paired_row(problems, "h2o@8", "full")
     assert (test["near_loop"]["a_only"], test["near_loop"]["b_only"]) == (2, 0)
     assert (test["loop"]["a_only"], test["loop"]["b_only"]) == (1, 0)
+
+
+def test_a_tiny_exact_p_is_kept_not_rounded_to_zero():
+    full = _generation(PREFIX + list(range(300, 328)), None, finish="eos")
+    problems = [_problem(i, {"full": full, "h2o@8": _generation(LOOPING, 12)}) for i in range(20)]
+    p = paired_row(problems, "h2o@8", "full")["loop"]["p_value"]
+    assert p == pytest.approx(2 * 0.5**20, rel=1e-2) and p > 0
