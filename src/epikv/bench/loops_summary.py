@@ -171,7 +171,7 @@ def paired_row(problems: list[dict[str, Any]], cell: str, reference: str) -> dic
 
 def _round(value: float) -> float:
     """5 decimals, or 4 significant digits below 0.001: an exact p can be far below 1e-5 (issue 28:
-    the near-periodic detector's rkv@192 against full is 2e-6), and 0 would misreport it."""
+    the near-periodic detector's rkv@192 against full is 6e-7), and 0 would misreport it."""
     return round(value, 5) if abs(value) >= 1e-3 or value == 0 else float(f"{value:.4g}")
 
 
