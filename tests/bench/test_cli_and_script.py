@@ -76,3 +76,16 @@ def test_gpu_script_cpu_path(tmp_path):
     assert speed["results"]["policies"]["streaming"]["within_bound"] is True
     memory = documents.read_result(tmp_path / "tiny-llama" / "memory.json", "memory")
     assert {p["status"] for p in memory["results"]["points"]} == {"ok"}
+
+
+def test_parts_dir_defaults_beside_the_output_and_can_be_shared(tmp_path):
+    from epikv.bench.cli import build_config
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "loops", "--out", str(tmp_path / "new")])
+    assert build_config("loops", args).parts_dir == str(tmp_path / "new" / "loops-parts")
+    shared = str(tmp_path / "study" / "loops-parts")
+    args = parser.parse_args(["bench", "loops", "--out", str(tmp_path / "new"), "--parts-dir", shared])
+    assert build_config("loops", args).parts_dir == shared
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "capacity", "--out", "x", "--parts-dir", shared])  # keeps no parts

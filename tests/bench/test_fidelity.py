@@ -15,18 +15,6 @@ from epikv.cli import main
 from epikv.integration import build_spec
 
 
-def test_repeated_suffix():
-    assert fidelity.repeated_suffix([5, 6, 7] + [1, 2] * 20, max_period=8, min_span=16) == 2
-    assert fidelity.repeated_suffix([9] * 40, min_span=16) == 1
-    assert fidelity.repeated_suffix(list(range(60)), min_span=16) is None
-    assert fidelity.repeated_suffix([1, 2] * 4, min_span=16) is None  # too short to call a loop
-
-
-def test_first_divergence():
-    assert fidelity.first_divergence([1, 2, 3], [1, 2, 4]) == 2
-    assert fidelity.first_divergence([1, 2, 3], [1, 2, 3]) is None
-
-
 def test_parse_variant():
     assert fidelity.parse_variant("epikv-flat:band_a=9:band_b=20") == (
         "epikv-flat",

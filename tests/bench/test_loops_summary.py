@@ -11,7 +11,6 @@ from epikv.bench.interval_plots import Ranked, rank, short
 from epikv.bench.loops_summary import (
     cell_row,
     facts,
-    first_divergence,
     loop_timing,
     paired_row,
     problem_facts,
@@ -48,13 +47,6 @@ def test_exact_mcnemar_is_the_binomial_test_of_discordant_pairs():
     assert paired.mcnemar_exact([True, False], [True, False]).p_value == 1.0  # nothing discordant
     with pytest.raises(ValueError, match="same problems: 2 and 1"):
         paired.mcnemar_exact([True, False], [True])
-
-
-def test_first_divergence():
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert first_divergence([1, 2, 3], [1, 2]) == 2  # stopped (EOS) where the other went on
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_loop_timing():
@@ -126,3 +118,39 @@ def test_rank_puts_the_best_first_and_empty_rows_last():
     assert [r.label for r in rank(rows, higher_is_better=True)] == ["c", "a", "b"]
     assert [r.label for r in rank(rows, higher_is_better=False)] == ["a", "c", "b"]
     assert short("epikv") == "epikv" and short("epikv:interval=32") == "epikv\ninterval=32"
+
+
+def test_facts_and_rows_report_both_loop_detectors():
+    # Lines whose two-digit number changes every time: a loop only to the near-periodic detector,
+    # told that tokens 50-59 are the digits 0-9.
+    counting = PREFIX + [t for n in range(10, 17) for t in (50 + n // 10, 50 + n % 10, 200, 201)]
+    full = _generation(PREFIX + list(range(300, 328)), None, finish="eos")
+    digits = frozenset(range(50, 60))
+    near = facts(_generation(counting, 12), full, LOOPS, digits)
+    assert not near["loop"] and near["near_loop"] and near["near_loop_onset"] == 20
+    assert not facts(_generation(counting, 12), full, LOOPS)["near_loop"]  # no number tokens: exact
+    both = facts(_generation(LOOPING, 12), full, LOOPS, digits)
+    assert both["loop"] and both["near_loop"] and both["near_loop_onset"] == both["loop_onset"]
+    problems = [
+        problem_facts({"dataset": "d", "id": str(i), "cells": cells}, LOOPS, digits)
+        for i, cells in enumerate(
+            [
+                {"full": full, "h2o@8": _generation(counting, 12)},
+                {"full": full, "h2o@8": _generation(LOOPING, 12)},
+                {"full": full, "h2o@8": full},
+            ]
+        )
+    ]
+    row = cell_row(problems, "h2o@8")
+    assert row["loop"]["successes"] == 1 and row["near_loop"]["successes"] == 2
+    assert row["detectors"] == {"both": 1, "exact_only": 0, "near_only": 1}
+    test = paired_row(problems, "h2o@8", "full")
+    assert (test["near_loop"]["a_only"], test["near_loop"]["b_only"]) == (2, 0)
+    assert (test["loop"]["a_only"], test["loop"]["b_only"]) == (1, 0)
+
+
+def test_a_tiny_exact_p_is_kept_not_rounded_to_zero():
+    full = _generation(PREFIX + list(range(300, 328)), None, finish="eos")
+    problems = [_problem(i, {"full": full, "h2o@8": _generation(LOOPING, 12)}) for i in range(20)]
+    p = paired_row(problems, "h2o@8", "full")["loop"]["p_value"]
+    assert p == pytest.approx(2 * 0.5**20, rel=1e-2) and p > 0

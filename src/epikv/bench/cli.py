@@ -87,6 +87,9 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--shards": ("shards", int, "with --ray: shards run as Ray tasks"),
     "--ray": ("ray", str, "run --shards shards as Ray tasks: ADDRESS (auto, HOST:PORT) or local"),
     "--batch-size": ("batch_size", int, "prompts decoded together (one engine batch)"),
+    # Issue 28: cells added to a finished study share its parts (its `full` among them) but write
+    # their own document, so the study's is not overwritten.
+    "--parts-dir": ("parts_dir", str, "finished parts to reuse and add to (default: OUT/<kind>-parts)"),
     "--min-length": ("min_length", int, "first forward length (doubles up to --max-length)"),
     "--max-length": ("max_length", int, "longest forward length tried"),
     "--cap-gb": ("cap_gb", float, "memory cap: GB above the loaded model (CPU) or emulated GPU size (CUDA)"),

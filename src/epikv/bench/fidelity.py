@@ -44,6 +44,7 @@ from epikv.bench.fidelity_runs import (
 )
 from epikv.bench.fidelity_summary import summarize_fidelity
 from epikv.bench.parts import Parts, cell_print, fingerprint_of
+from epikv.eval.loops import LoopConfig, first_mismatch, shortest_loop_period
 from epikv.integration import build_spec
 from epikv.spec import CacheSpec, budget_for_peak
 
@@ -121,28 +122,9 @@ QUICK = FidelityConfig(
 # --------------------------------------------------------------------------- pure helpers
 
 
-def repeated_suffix(
-    tokens: list[int], max_period: int = 64, min_span: int = 32, min_repeats: int = 3
-) -> int | None:
-    """The smallest period p <= max_period such that the last max(min_span, p * min_repeats)
-    tokens repeat with period p (the text is stuck in a loop), or None."""
-    from epikv.eval.loops import periodic_tail_span  # eval's loop detector owns the periodicity test
-
-    for period in range(1, max_period + 1):
-        span = max(min_span, period * min_repeats)
-        if span > len(tokens):
-            break
-        if periodic_tail_span(tokens, period) >= span:
-            return period
-    return None
-
-
-def first_divergence(reference: list[int], other: list[int]) -> int | None:
-    """Index of the first differing token, or None when ``other`` follows ``reference`` throughout."""
-    for index, (a, b) in enumerate(zip(reference, other, strict=False)):
-        if a != b:
-            return index
-    return None
+def _loops(config: FidelityConfig) -> LoopConfig:
+    """The fidelity study's loop rule: a tail of at least ``loop_min_span`` tokens and 3 periods."""
+    return LoopConfig(min_span=config.loop_min_span, min_repeats=3, max_period=config.loop_max_period)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -296,9 +278,9 @@ def _run_cell(
     if free:
         generated = free_run(model, [prompts[i] for i in free], config.trace_tokens, spec)
         for i, tokens in zip(free, generated, strict=True):
-            period = repeated_suffix(tokens, config.loop_max_period, config.loop_min_span)
+            period = shortest_loop_period(tokens, _loops(config))
             forced[i].update(
-                first_divergence=first_divergence(traces[i], tokens[: len(traces[i])]), loop_period=period
+                first_divergence=first_mismatch(traces[i], tokens[: len(traces[i])]), loop_period=period
             )
     return forced
 
@@ -312,7 +294,7 @@ def _prompt_record(item: Item, trace: list[int], ref: torch.Tensor, config: Fide
         "trace_tokens": len(trace),
         "full_nll": float(nll.mean()),
         "full_nll_tail": float(nll[-config.tail_tokens :].mean()),
-        "full_loop_period": repeated_suffix(trace, config.loop_max_period, config.loop_min_span),
+        "full_loop_period": shortest_loop_period(trace, _loops(config)),
         "cells": {},
     }
 

@@ -32,7 +32,7 @@ from epikv.bench.loops_runs import Problem, generate_cell, load_problems
 from epikv.bench.loops_summary import FULL, problem_facts, summarize_loops
 from epikv.bench.parts import Parts, cell_print, fingerprint_of
 from epikv.eval.config import parse_shard
-from epikv.eval.loops import LoopConfig
+from epikv.eval.loops import LoopConfig, number_token_ids
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
 from epikv.integration import build_spec
 from epikv.policies import policy_class
@@ -49,10 +49,10 @@ class LoopsConfig:
     problems the calibration used, 0-39, and the MATH-500 ones the fidelity study used, <= 94).
     ``policies`` are names or variants ``name:key=value``; ``peaks`` give each evicting policy
     K = peak - tau; ``sweep_policies`` also run at each of ``sweep_budgets`` (equal K).
-    ``references``: policies every cell is tested against, paired over problems. The loop detector
-    is the eval's (``loop_*``: its :class:`~epikv.eval.loops.LoopConfig`). ``batch_size``: problems
-    decoded together, and the problems a part keeps. ``shard`` I/N computes every N-th cell only;
-    ``ray`` (an address, or ``local``) runs ``shards`` shards as Ray tasks."""
+    ``references``: policies every cell is tested against, paired over problems. The loop detectors
+    are the eval's, exact and near-periodic (``loop_*``: their :class:`~epikv.eval.loops.LoopConfig`).
+    ``batch_size``: problems decoded together, and the problems a part keeps. ``shard`` I/N computes
+    every N-th cell only; ``ray`` (an address, or ``local``) runs ``shards`` shards as Ray tasks."""
 
     model: str | None = None
     datasets: tuple[str, ...] = ("gsm8k", "math500")
@@ -202,7 +202,7 @@ def run_loops(
     }
     work = _batches(config, tokenizer)
     shard_index, shard_count = parse_shard(config.shard)
-    loops = config.loop_config()
+    loops, numbers = config.loop_config(), number_token_ids(tokenizer)
     started = time.perf_counter()
     stores = {dataset: _parts(config, dataset) for dataset in config.datasets}
     prints = [fingerprint_of([p.key for p in batch], settings) for _, _, batch in work]
@@ -237,7 +237,7 @@ def run_loops(
         if any(result is None for result in results[g].values()):
             continue  # another shard's cell, not finished yet
         complete += 1
-        records.extend(_problem_records(batch, results[g], loops))
+        records.extend(_problem_records(batch, results[g], loops, numbers))
         for name, result in results[g].items():
             _add_cost(costs.setdefault(name, {}), stores[dataset].cost(b, name), result)
     bar.close()
@@ -282,7 +282,7 @@ def _add_cost(total: dict[str, Any], part: dict[str, Any] | None, result: list[d
 
 
 def _problem_records(
-    batch: list[Problem], results: dict[str, Any], loops: LoopConfig
+    batch: list[Problem], results: dict[str, Any], loops: LoopConfig, numbers: frozenset[int]
 ) -> list[dict[str, Any]]:
     out = []
     for i, problem in enumerate(batch):
@@ -293,7 +293,7 @@ def _problem_records(
             "prompt_tokens": len(problem.prompt),
             "cells": {name: cell[i] for name, cell in results.items()},
         }
-        out.append(problem_facts(raw, loops))
+        out.append(problem_facts(raw, loops, numbers))
     return out
 
 
