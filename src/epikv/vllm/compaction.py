@@ -50,15 +50,12 @@ class SlotStore:
 
     def copy(
         self, src: torch.Tensor, dst: torch.Tensor, groups: torch.Tensor | None, heads: torch.Tensor | None
-    ):
+    ) -> None:
         """Side values of slots ``src`` to ``dst`` (in one group / head each, or all of them)."""
         for table in (self.positions, *self.buffers.values()):
             g = slice(None) if groups is None or table.shape[0] == 1 else groups
             h = slice(None) if heads is None or table.shape[1] == 1 else heads
-            if isinstance(g, slice) or isinstance(h, slice):
-                table[g, h, dst] = table[g, h, src]
-            else:
-                table[g, h, dst] = table[g, h, src]
+            table[g, h, dst] = table[g, h, src]
 
 
 class PagedView:

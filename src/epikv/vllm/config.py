@@ -100,6 +100,17 @@ def cap_tokens(spec: CacheSpec) -> int | None:
     return None if spec.budget is None else spec.budget + spec.interval
 
 
+def check_prompt_fits(spec: CacheSpec, tokens: int) -> None:
+    """Raise ValueError unless a prompt of ``tokens`` can run: its protected tokens fit K, and it fits
+    the K + tau slots its blocks are capped at (nothing to check for ``full``)."""
+    cap = cap_tokens(spec)
+    if cap is None:
+        return
+    spec.check_prompt(tokens)
+    if tokens > cap:
+        raise ValueError(f"epikv: a prompt of {tokens} tokens is longer than K + tau = {cap} tokens")
+
+
 def model_info(vllm_config: Any) -> ModelInfo:
     """What a policy may know of the served model, from vLLM's model config."""
     model_config = vllm_config.model_config

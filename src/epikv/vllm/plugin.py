@@ -82,7 +82,7 @@ def _settings(vllm_config: Any) -> Any:
 
 
 def _check(settings: Any, vllm_config: Any) -> None:
-    from epikv.vllm.config import SCHEDULER, WORKER, Refused, cap_tokens, check_engine, model_info
+    from epikv.vllm.config import SCHEDULER, WORKER, Refused, check_engine, check_prompt_fits, model_info
 
     spec = settings.spec(model_info(vllm_config))
     check_engine(vllm_config, spec)
@@ -93,14 +93,7 @@ def _check(settings: Any, vllm_config: Any) -> None:
             f"epikv: worker_cls must be {WORKER} and scheduler_cls {SCHEDULER} (or subclasses), got "
             f"{worker} and {scheduler}"
         )
-    cap = cap_tokens(spec)
-
-    def prompt_rule(tokens: int) -> None:
-        spec.check_prompt(tokens)
-        if cap is not None and tokens > cap:
-            raise ValueError(f"epikv: a prompt of {tokens} tokens is longer than K + tau = {cap} tokens")
-
-    _RULES["prompt"] = prompt_rule if spec.budget is not None else None
+    _RULES["prompt"] = lambda tokens: check_prompt_fits(spec, tokens)
 
 
 def _named(value: Any, path: str) -> bool:

@@ -69,12 +69,6 @@ class Requests:
         """The batch's state after a step (observe may replace fields; scoring may advance it)."""
         self._state = state
 
-    def books_of(self, req_id: str) -> RowBooks:
-        """A request's current books (one row)."""
-        if req_id in self._order and self._books is not None:
-            return self._books.take([self._order.index(req_id)])
-        return self.records[req_id].books
-
     def _sync(self) -> None:
         """Write the batch's rows back into their records (before the batch changes)."""
         if self._books is None:

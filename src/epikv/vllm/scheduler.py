@@ -99,6 +99,7 @@ class EpiKVScheduler(Scheduler):
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.epikv_counters: dict[str, tuple[int, int, int]] = {}  # req_id -> the worker's latest
         caps = [c for c in group_caps([g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]) if c]
         self.epikv_cap = max(caps) if caps else 0
         if not self.epikv_cap:
@@ -127,7 +128,7 @@ class EpiKVScheduler(Scheduler):
         carries them as ``kv_transfer_params["epikv"]`` (no KV connector runs beside the plugin, and
         vLLM hands that field through to ``RequestOutput`` and the OpenAI response)."""
         report = getattr(model_runner_output, "epikv", None) or {}
-        counters = self.__dict__.setdefault("epikv_counters", {})
+        counters = self.epikv_counters
         counters.update(report)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for batch in outputs.values():

@@ -23,7 +23,7 @@ from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import on_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import PagedView, SlotStore, compact
-from epikv.vllm.config import EpiKVSettings, cap_tokens
+from epikv.vllm.config import EpiKVSettings, cap_tokens, check_prompt_fits
 from epikv.vllm.requests import Requests
 
 
@@ -39,7 +39,6 @@ class EpiKVWorkerState:
         self.requests = Requests(spec, model)
         self.store: SlotStore | None = None
         self.block_size = 0
-        self.finished: dict[str, dict[str, int]] = {}  # req_id -> final counters (read by tests)
         # req_id -> (peak physical tokens, tokens evicted, compactions) after this step's forward
         self.report: dict[str, tuple[int, int, int]] = {}
         self._trace = open(settings.trace, "a") if settings.trace else None
@@ -57,19 +56,12 @@ class EpiKVWorkerState:
                 "cannot be re-prefilled from its compacted cache"
             )
         for req_id in out.finished_req_ids:
-            record = self.requests.remove(req_id)
-            if record is not None:
-                self.finished[req_id] = _counters(record.books)
+            self.requests.remove(req_id)
 
     def after_update(self, out: Any) -> None:
         for new in out.scheduled_new_reqs:
             prompt = len(new.prompt_token_ids or ())
-            if self.evicts:
-                self.spec.check_prompt(prompt)
-                if self.cap is not None and prompt > self.cap:
-                    raise ValueError(
-                        f"epikv: a prompt of {prompt} tokens is longer than K + tau = {self.cap}"
-                    )
+            check_prompt_fits(self.spec, prompt)
             self.requests.add(new.req_id, prompt)
 
     # -- before the forward -----------------------------------------------------------------------
@@ -210,15 +202,3 @@ class EpiKVWorkerState:
         if self._trace is not None:
             self._trace.flush()
         return state
-
-
-def _counters(books: Any) -> dict[str, int]:
-    stats = books.stats()[0]
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "tokens_seen": stats.tokens_seen,
-        "peak_cache_tokens": stats.peak_cache_tokens,
-        "final_cache_tokens": stats.final_cache_tokens,
-        "evictions": stats.evictions,
-        "compactions": int(books.compactions[0]),
-    }
