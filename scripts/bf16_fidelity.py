@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from epikv.bench.genres import load_genre
+from epikv.bench.fidelity.genres import load_genre
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.models import load_model

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
-from epikv.bench import documents, machine, model_loading
-from epikv.bench.memory import MemoryConfig, plot_memory, run_memory
-from epikv.bench.speed import SpeedConfig, plot_speed, run_speed
+from epikv.bench.memory.study import MemoryConfig, plot_memory, run_memory
+from epikv.bench.shared import documents, machine, model_loading
+from epikv.bench.speed.study import SpeedConfig, plot_speed, run_speed
 
 # Public config.json shapes; rope and norm details left at transformers' defaults (no weights).
 CONFIGS = {

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from epikv.bench.machine import current_rss
-from epikv.bench.prompt_loading import load_prompts, prompt_token_ids
+from epikv.bench.shared.machine import current_rss
+from epikv.bench.shared.prompt_loading import load_prompts, prompt_token_ids
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.models import load_model, resolve_dtype

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import epikv.bench.capacity
+import epikv.bench.capacity.study
 import epikv.calibrate.pipeline
 import epikv.outputs
 from epikv.cli import main
@@ -58,7 +58,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the command worked before checking its output path")
 
     monkeypatch.setattr(eval_cli, "_default_generator_factory", forbidden)
-    monkeypatch.setattr(epikv.bench.capacity, "run_capacity", forbidden)
+    monkeypatch.setattr(epikv.bench.capacity.study, "run_capacity", forbidden)
     monkeypatch.setattr(epikv.calibrate.pipeline, "run_calibration", forbidden)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from epikv.bench import model_loading
+from epikv.bench.shared import model_loading
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from epikv.bench import capacity, documents
-from epikv.bench.capacity import CapacityConfig, KVShape
+from epikv.bench.capacity import study as capacity
+from epikv.bench.capacity.study import CapacityConfig, KVShape
+from epikv.bench.shared import documents
 
 
 def test_paper_numbers():

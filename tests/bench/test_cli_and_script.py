@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from epikv.bench import documents
 from epikv.bench.cli import KIND_HELP, KINDS
+from epikv.bench.shared import documents
 from epikv.cli import build_parser, main
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"

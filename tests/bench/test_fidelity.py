@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from epikv.bench import documents, fidelity, prompt_loading
-from epikv.bench.fidelity import FidelityConfig
-from epikv.bench.fidelity_summary import comparison_table, summarize_fidelity
+from epikv.bench.fidelity import study as fidelity
+from epikv.bench.fidelity.study import FidelityConfig
+from epikv.bench.fidelity.summary import comparison_table, summarize_fidelity
+from epikv.bench.shared import documents, prompt_loading
 from epikv.cli import main
 from epikv.integration import build_spec
 

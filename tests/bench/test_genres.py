@@ -7,7 +7,7 @@ from importlib import resources
 
 import pytest
 
-from epikv.bench.genres import GENRES, genre_texts, load_genre
+from epikv.bench.fidelity.genres import GENRES, genre_texts, load_genre
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
 
 

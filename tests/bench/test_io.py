@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epikv.bench import documents, model_loading, prompt_loading
+from epikv.bench.shared import documents, model_loading, prompt_loading
 
 
 def test_documents_round_trip_and_are_checked(tmp_path):

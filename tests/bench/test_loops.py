@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from epikv.bench import documents, loops, loops_runs
-from epikv.bench.loops import LoopsConfig
+from epikv.bench.loops import runs as loops_runs
+from epikv.bench.loops import study as loops
+from epikv.bench.loops.study import LoopsConfig
+from epikv.bench.shared import documents
 from epikv.cli import main
 from tests.ray_helpers import local_cluster, ray_test
 

@@ -6,15 +6,15 @@ import math
 
 import pytest
 
-from epikv.bench import paired
-from epikv.bench.interval_plots import Ranked, rank, short
-from epikv.bench.loops_summary import (
+from epikv.bench.loops.summary import (
     cell_row,
     facts,
     loop_timing,
     paired_row,
     problem_facts,
 )
+from epikv.bench.shared import paired
+from epikv.bench.shared.interval_plots import Ranked, rank, short
 from epikv.eval.loops import LoopConfig
 
 Z = 1.959963984540054  # the 97.5% normal quantile

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from epikv.bench import documents, memory
-from epikv.bench.memory import MemoryConfig
+from epikv.bench.memory import study as memory
+from epikv.bench.memory.study import MemoryConfig
+from epikv.bench.shared import documents
 from epikv.cli import main
 
 

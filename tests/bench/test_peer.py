@@ -9,8 +9,9 @@ import json
 
 import torch
 
-from epikv.bench import documents, model_loading, peer
-from epikv.bench.peer import PeerConfig
+from epikv.bench.peer import study as peer
+from epikv.bench.peer.study import PeerConfig
+from epikv.bench.shared import documents, model_loading
 
 
 def _runner():

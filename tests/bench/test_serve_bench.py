@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from epikv.bench import documents
-from epikv.bench.serve import ServeBenchConfig, plot_serve, run_serve
-from epikv.bench.serve_clients import summarize_level
+from epikv.bench.serve.clients import summarize_level
+from epikv.bench.serve.study import ServeBenchConfig, plot_serve, run_serve
+from epikv.bench.shared import documents
 
 
 def test_summarize_level_by_hand():

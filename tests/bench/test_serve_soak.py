@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from epikv.bench.serve import ServeBenchConfig, plot_serve, run_serve
-from epikv.bench.serve_soak import OUTCOMES, kind_of
+from epikv.bench.serve.soak import OUTCOMES, kind_of
+from epikv.bench.serve.study import ServeBenchConfig, plot_serve, run_serve
 
 
 def test_soak_accounts_for_every_client(serve_model_folder, tmp_path):

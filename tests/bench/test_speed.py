@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from epikv.bench import documents, prompt_loading, speed
-from epikv.bench.speed import SpeedConfig
+from epikv.bench.shared import documents, prompt_loading
+from epikv.bench.speed import study as speed
+from epikv.bench.speed.study import SpeedConfig
 from epikv.cli import main
 
 

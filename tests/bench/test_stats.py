@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from epikv import spec
-from epikv.bench import stats
+from epikv.bench.shared import stats
 
 
 def test_bootstrap_of_a_constant_or_a_single_prompt_is_a_point():

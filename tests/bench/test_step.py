@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv.bench import step
-from epikv.bench.step import StepConfig
+from epikv.bench.step import study as step
+from epikv.bench.step.study import StepConfig
 from epikv.cli import main
 from epikv.models.tiny import tiny_model
 
@@ -45,7 +45,7 @@ def test_every_cell_is_measured_against_its_bound(step_doc):
 
 
 def test_plot_and_table(step_doc, tmp_path):
-    from epikv.bench import documents
+    from epikv.bench.shared import documents
 
     path = documents.write_result(step_doc, tmp_path)
     assert step.plot_step(path).stat().st_size > 5000

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import documents
+from epikv.bench.shared import documents
 from epikv.outputs import check_output_dir, check_output_file
 
 KINDS = ("memory", "speed", "step", "fidelity", "loops", "capacity", "peer", "serve")
@@ -67,7 +67,11 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--prompts": ("prompts", int, "how many prompts"),
     "--prompt-offset": ("prompt_offset", int, "first prompt of the source"),
     "--trace-tokens": ("trace_tokens", int, "length T of each full-cache trace"),
-    "--genres": ("genres", _names, "fidelity genres (epikv.bench.genres): prose,code,gsm8k-greedy..."),
+    "--genres": (
+        "genres",
+        _names,
+        "fidelity genres (bench/fidelity/genres): prose,code,gsm8k-greedy...",
+    ),
     "--prompt-tokens": ("prompt_tokens", int, "prompt length of forced genres"),
     "--max-prompt-tokens": ("max_prompt_tokens", int, "skip longer prompts of generated genres"),
     "--peaks": ("peaks", _ints, "equal peak memory: each policy's K = peak - tau, for these peaks"),
@@ -125,7 +129,7 @@ _SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
 
 
 def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]]:
-    module = importlib.import_module(f"epikv.bench.{kind}")
+    module = importlib.import_module(f"epikv.bench.{kind}.study")
     config_class = next(  # the kind's own config, not one it imports (loops imports eval's LoopConfig)
         v
         for k, v in vars(module).items()
@@ -201,8 +205,8 @@ def _announce(line: str) -> None:
 
 
 def cmd_table(args: argparse.Namespace) -> int:
-    from epikv.bench import loops_summary
-    from epikv.bench.fidelity_summary import METRICS, markdown
+    from epikv.bench.fidelity.summary import METRICS, markdown
+    from epikv.bench.loops import summary as loops_summary
 
     data = documents.read_result(args.result)
     if data["kind"] not in ("fidelity", "loops"):

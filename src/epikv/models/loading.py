@@ -128,7 +128,8 @@ def _resolve_name(name: str) -> tuple[str, bool]:
     """``(source, is_local)`` for a local folder or hub id; raises ModelLoadError for a missing folder."""
     if name.startswith("random:"):
         # Random weights write noise: they exist so that benchmarks measure memory and speed on a
-        # machine without weights (epikv.bench.model_loading.load_bench_model), not to be read (issue #12).
+        # machine without weights (epikv.bench.shared.model_loading.load_bench_model), not to be
+        # read (issue #12).
         raise ModelLoadError(
             f"model {name!r} has random weights and writes noise; only `epikv bench` builds random: "
             "models. Omit --model for the embedded SmolLM2-135M-Instruct, or give a local folder or hub id"

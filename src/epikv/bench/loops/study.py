@@ -3,14 +3,14 @@ GSM8K and MATH-500 under every policy at equal peak memory (issue 18).
 
 Each *cell* (a policy variant at one K) generates every problem greedily in the paper's chat
 protocol, up to a cap, in one engine run that decodes ``batch_size`` problems together and admits
-the next as soon as one finishes (:mod:`epikv.bench.loops_runs`). ``full`` is always a cell: every
+the next as soon as one finishes (:mod:`epikv.bench.loops.runs`). ``full`` is always a cell: every
 other cell's divergence is measured from its trace. The levels are peaks (each policy at
 K = peak - tau, :func:`epikv.spec.budget_at_peak`), plus a sweep of larger K for the policies that
 rank by a fixed score. Each (batch of ``batch_size`` problems, cell) is kept in the parts store
-(:mod:`epikv.bench.parts`, as the fidelity study does) with the token ids, so a rerun computes only
+(:mod:`epikv.bench.shared.parts`, as the fidelity study does) with the token ids, so a rerun computes only
 what is missing and loop thresholds can change without a model. ``--shard I/N`` computes only every
 N-th cell; ``--ray`` runs the N shards as Ray tasks on a shared parts folder, then the driver
-assembles them. Statistics: :mod:`epikv.bench.loops_summary`; figures: :mod:`epikv.bench.loops_plots`.
+assembles them. Statistics: :mod:`epikv.bench.loops.summary`; figures: :mod:`epikv.bench.loops.plots`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, machine, model_loading
-from epikv.bench.fidelity import parse_variant
-from epikv.bench.loops_runs import Problem, generate_cell, load_problems
-from epikv.bench.loops_summary import FULL, problem_facts, summarize_loops
-from epikv.bench.parts import Parts, cell_print, fingerprint_of
+from epikv.bench.fidelity.study import parse_variant
+from epikv.bench.loops.runs import Problem, generate_cell, load_problems
+from epikv.bench.loops.summary import FULL, problem_facts, summarize_loops
+from epikv.bench.shared import documents, machine, model_loading
+from epikv.bench.shared.parts import Parts, cell_print, fingerprint_of
 from epikv.eval.config import parse_shard
 from epikv.eval.loops import LoopConfig, number_token_ids
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
@@ -336,6 +336,6 @@ def _run_on_ray(config: LoopsConfig) -> None:
 
 def plot_loops(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Ranked interval plots of loop, cap-hit and accuracy rates beside the memory view."""
-    from epikv.bench.loops_plots import plot_document
+    from epikv.bench.loops.plots import plot_document
 
     return plot_document(json_path, png)

@@ -1,8 +1,8 @@
-"""One memory point in its own process: ``python -m epikv.bench.memory_worker --path P --length L``.
+"""One memory point in its own process: ``python -m epikv.bench.memory.worker --path P --length L``.
 
 Loads the model, caps the process's address space ``--cap-gb`` above what the loaded model
 occupies (so an allocation past it raises instead of swapping or waking the kernel's OOM killer),
-runs :func:`epikv.bench.memory.measure_point` and prints one JSON line. It owns nothing else.
+runs :func:`epikv.bench.memory.study.measure_point` and prints one JSON line. It owns nothing else.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import json
 import resource
 import sys
 
-from epikv.bench import machine, model_loading
-from epikv.bench.memory import PATHS, measure_point
+from epikv.bench.memory.study import PATHS, measure_point
+from epikv.bench.shared import machine, model_loading
 
 GIB = 1 << 30
 
@@ -32,7 +32,7 @@ def cap_address_space(extra_bytes: int) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epikv.bench.memory_worker")
+    parser = argparse.ArgumentParser(prog="python -m epikv.bench.memory.worker")
     parser.add_argument("--path", choices=PATHS, required=True)
     parser.add_argument("--length", type=int, required=True)
     parser.add_argument("--model", default=None)

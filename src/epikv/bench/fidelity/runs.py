@@ -3,7 +3,7 @@ forcing through a policy's cache with per-position comparisons, and free running
 
 Each function is one engine run (:class:`epikv.engine.Engine`) over a batch; the recorder is the
 requests' ``on_logits`` and ``on_compaction`` observer. It knows nothing of genres, cells or files
-(:mod:`epikv.bench.fidelity` plans the study and keeps its results).
+(:mod:`epikv.bench.fidelity.study` plans the study and keeps its results).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epikv.bench import stats
+from epikv.bench.shared import stats
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.spec import CacheSpec

@@ -6,7 +6,7 @@ study's batches), in the paper's chat protocol (:func:`epikv.eval.prompts.build_
 at EOS or the cap, graded by the task (:meth:`epikv.eval.task.Task.evaluate`). A request's tokens do
 not depend on which others share its batch (the engine's batch-equals-alone guarantee), so packing
 groups into one run changes the cost only. It keeps the token ids, so loops and divergence are found
-later from the stored parts. It knows nothing of cells, levels or files (:mod:`epikv.bench.loops`).
+later from the stored parts. It knows nothing of cells, levels or files (:mod:`epikv.bench.loops.study`).
 """
 
 from __future__ import annotations

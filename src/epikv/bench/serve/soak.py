@@ -9,7 +9,7 @@ body refused, as it should be), ``5xx``, or ``lost`` (anything else: a connectio
 a stream that ended without its answer, a malformed body that was not refused). After each burst a
 one-token probe refreshes the gauges, which must read zero, and the server's resident memory is
 sampled. Targets: 0 lost, 0 5xx, RSS flat after the first burst. Nothing is asserted here, and no
-server is started here (:func:`epikv.bench.serve.soak` starts it).
+server is started here (:func:`epikv.bench.serve.study.soak` starts it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import documents, figures, prompt_loading
+from epikv.bench.shared import documents, figures, prompt_loading
 
 OUTCOMES = ("completed", "429", "left", "4xx", "5xx", "lost")
 MALFORMED: list[bytes] = [

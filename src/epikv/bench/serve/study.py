@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import documents, figures, prompt_loading
-from epikv.bench.serve_clients import closed_loop
-from epikv.bench.serve_soak import plot_soak, run_soak, soak_arguments
+from epikv.bench.serve.clients import closed_loop
+from epikv.bench.serve.soak import plot_soak, run_soak, soak_arguments
+from epikv.bench.shared import documents, figures, prompt_loading
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ServeBenchConfig:
     threads: int | None = 2
     dtype: str = "float32"  # the server's and generate's --dtype (auto: bf16 where the CPU has it)
     timeout_s: float = 7200.0
-    soak_s: float = 0.0  # > 0: the soak instead of the sweep (epikv.bench.serve_soak)
+    soak_s: float = 0.0  # > 0: the soak instead of the sweep (epikv.bench.serve.soak)
     soak_rows: int = 8
 
     def __post_init__(self) -> None:
@@ -260,7 +260,7 @@ def run_serve(config: ServeBenchConfig, reporter: documents.Reporter | None = No
 
 
 def soak(config: ServeBenchConfig, reporter: documents.Reporter) -> dict[str, Any]:
-    """The soak (:mod:`epikv.bench.serve_soak`) against one server of the first policy."""
+    """The soak (:mod:`epikv.bench.serve.soak`) against one server of the first policy."""
     folder = Path(tempfile.mkdtemp(prefix="epikv-bench-soak-"))
     server = start_server(config, config.policies[0], None, folder, soak_arguments(config.soak_rows))
     try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import documents, figures, model_loading
+from epikv.bench.shared import documents, figures, model_loading
 
 GIB = 1 << 30
 
@@ -181,8 +181,8 @@ def capacity_table(shape: KVShape, config: CapacityConfig) -> dict[str, Any]:
 
 
 def run_capacity(config: CapacityConfig, reporter: documents.Reporter | None = None) -> dict[str, Any]:
-    """The capacity document for ``config`` (see :mod:`epikv.bench.documents` for the envelope). Arithmetic
-    only: no cache runs, so it records no cache specs."""
+    """The capacity document for ``config`` (see :mod:`epikv.bench.shared.documents` for the
+    envelope). Arithmetic only: no cache runs, so it records no cache specs."""
     reporter = reporter or documents.Reporter()
     with reporter.bar(1, "capacity", unit="table") as bar:
         shape = shape_from_config(load_config(config.model))

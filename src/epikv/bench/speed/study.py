@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, figures, machine, model_loading, prompt_loading
+from epikv.bench.shared import documents, figures, machine, model_loading, prompt_loading
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.policies import policy_class

@@ -7,7 +7,7 @@ A benchmark result is one JSON document::
 written by :func:`write_result` and read back by :func:`read_result`; plots read only that file.
 ``config.cache_specs`` records every cache spec the run used (policy, budget, bands and the profile
 they came from), gathered while it runs by a :class:`Reporter`, which also announces each one and
-draws the benchmark's progress bar. What ``machine`` holds is :mod:`epikv.bench.machine`'s.
+draws the benchmark's progress bar. What ``machine`` holds is :mod:`epikv.bench.shared.machine`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from epikv.bench.machine import machine_info
+from epikv.bench.shared.machine import machine_info
 
 if TYPE_CHECKING:
     from epikv.spec import CacheSpec

@@ -2,7 +2,7 @@
 
 Self-contained on purpose: it runs under a separate virtual environment (kvpress 0.5.5 pins
 transformers < 5.3), so it imports only the standard library, torch, transformers and kvpress,
-never epikv. :mod:`epikv.bench.peer` starts it as a script.
+never epikv. :mod:`epikv.bench.peer.study` starts it as a script.
 
 One press per process: ``DecodingPress(base, compression_interval=tau, target_size=K)`` with base
 StreamingLLM, Knorm, TOVA or ObservedAttention (H2O-like), the same greedy loop as kvpress's own

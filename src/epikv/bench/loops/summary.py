@@ -6,7 +6,7 @@ token ids included) and ``plan`` (which cell answers which level); nothing here 
 are detected here, from the stored token ids, by the eval's two detectors (:mod:`epikv.eval.loops`:
 the exact periodic tail, ``loop``, and the one that ignores numbers, ``near_loop``), so their
 thresholds can change without generating again. The problem is the unit of every interval and
-test: a cell's rate is a count over problems (Wilson, :mod:`epikv.bench.paired`), and two cells are
+test: a cell's rate is a count over problems (Wilson, :mod:`epikv.bench.shared.paired`), and two cells are
 compared on the problems both ran (exact McNemar).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from epikv.bench import paired, stats
+from epikv.bench.shared import paired, stats
 from epikv.eval.loops import LoopConfig, detect_loop, detect_near_loop, first_divergence
 
 ALL = "all"

@@ -1,7 +1,7 @@
 """How close each policy stays to the full cache on the same text: the fidelity study.
 
 The honest proxy for accuracy on a machine that cannot hold a 7B model. Prompts come from the genres
-of :mod:`epikv.bench.genres` (``--genres``: shipped text that is teacher-forced, or GSM8K/MATH-500
+of :mod:`epikv.bench.fidelity.genres` (``--genres``: shipped text that is teacher-forced, or GSM8K/MATH-500
 problems whose continuation is the model's own greedy full-cache trace), or, without genres, from a
 bundled task or file (greedy traces). For every prompt the full cache gives the reference next-token
 distributions; then for every *cell* (a policy, possibly with parameters, at one budget K), the
@@ -21,7 +21,7 @@ Cells are the policies at the ``budgets`` (equal K) and at the ``peaks`` (equal 
 policy's K = peak - tau, so a policy that compacts every tau steps holds as many tokens at its peak
 as one that evicts every step). Each (batch, cell) is written to ``parts_dir`` as it finishes and a
 rerun skips the parts already there, so a study of hours survives an interruption. Statistics and
-tables: :mod:`epikv.bench.fidelity_summary`; figures: :mod:`epikv.bench.fidelity_plots`.
+tables: :mod:`epikv.bench.fidelity.summary`; figures: :mod:`epikv.bench.fidelity.plots`.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, machine, model_loading, prompt_loading
-from epikv.bench.fidelity_runs import (
+from epikv.bench.fidelity.runs import (
     _Recorder,
     forced_references,
     free_run,
     full_traces,
     teacher_force,
 )
-from epikv.bench.fidelity_summary import summarize_fidelity
-from epikv.bench.parts import Parts, cell_print, fingerprint_of
+from epikv.bench.fidelity.summary import summarize_fidelity
+from epikv.bench.shared import documents, machine, model_loading, prompt_loading
+from epikv.bench.shared.parts import Parts, cell_print, fingerprint_of
 from epikv.eval.loops import LoopConfig, first_mismatch, shortest_loop_period
 from epikv.integration import build_spec
 from epikv.spec import CacheSpec, budget_for_peak
@@ -198,7 +198,7 @@ class Item:
 
 def load_items(config: FidelityConfig, tokenizer: Any) -> list[Item]:
     """The study's prompts, genre by genre (``prompts`` each), or from ``prompt_source``."""
-    from epikv.bench.genres import load_genre
+    from epikv.bench.fidelity.genres import load_genre
 
     if not config.genres:
         texts = prompt_loading.load_prompts(config.prompt_source, config.prompts, config.prompt_offset)
@@ -369,6 +369,6 @@ def run_fidelity(
 
 def plot_fidelity(json_path: str | Path, png: str | Path | None = None) -> Path:
     """Agreement against mean cached tokens per genre and policy (and the kept-position figure)."""
-    from epikv.bench.fidelity_plots import plot_document
+    from epikv.bench.fidelity.plots import plot_document
 
     return plot_document(json_path, png)

@@ -2,7 +2,7 @@
 
 Pure functions of the document's ``prompts`` (one record per prompt, one result per cell) and
 ``plan`` (which cell answers which budget or peak); nothing here runs a model. Every interval is a
-bootstrap over prompts (:mod:`epikv.bench.stats`): the prompt is the unit, its tokens are not
+bootstrap over prompts (:mod:`epikv.bench.shared.stats`): the prompt is the unit, its tokens are not
 independent. Comparisons with the reference policy (``streaming`` by default) are paired: the same
 prompts, a bootstrap of the per-prompt differences.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from epikv.bench import stats
+from epikv.bench.shared import stats
 
 # Per-prompt means the table reports with intervals; higher is better only for agreement.
 METRICS = (

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from epikv.bench import documents, figures
-from epikv.bench.interval_plots import Ranked, memory_panel, rank, ranked_panel
-from epikv.bench.loops_summary import FULL
+from epikv.bench.loops.summary import FULL
+from epikv.bench.shared import documents, figures
+from epikv.bench.shared.interval_plots import Ranked, memory_panel, rank, ranked_panel
 
 PANELS = (("loop", "loop rate"), ("cap_hit", "cap-hit rate"), ("correct", "accuracy"))
 

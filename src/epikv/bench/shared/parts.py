@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from epikv.bench.machine import load_average
+from epikv.bench.shared.machine import load_average
 from epikv.spec import CacheSpec
 
 

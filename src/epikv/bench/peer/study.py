@@ -3,8 +3,8 @@
 kvpress 0.5.5 pins transformers < 5.3, so it lives in its own virtual environment, which
 :func:`ensure_peer_env` creates (``python -m venv`` + ``pip install kvpress==0.5.5 torch==<ours>``)
 and reuses. Each method runs in a fresh process so peak memory is its own: kvpress presses through
-the self-contained :mod:`epikv.bench.kvpress_runner` script, our policies through this module's
-worker (``python -m epikv.bench.peer --worker ...``). Both sides decode the same prompt ids for the
+the self-contained :mod:`epikv.bench.peer.kvpress_runner` script, our policies through this module's
+worker (``python -m epikv.bench.peer.study --worker ...``). Both sides decode the same prompt ids for the
 same number of greedy tokens (EOS ignored) from the same model folder on the same threads.
 
 Compared: decode tokens/s, peak resident memory above the loaded model, the cache's final size,
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, figures, machine, model_loading, prompt_loading
+from epikv.bench.shared import documents, figures, machine, model_loading, prompt_loading
 
 PAIRS = {"streaming": "streaming", "h2o": "observed", "tova": "tova"}
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
@@ -188,7 +188,7 @@ def run_peer(
     ``runner(cmd, what, timeout)`` runs one side's command (default: a fresh process)."""
     run_side_ = runner or run_side
     reporter = reporter or documents.Reporter()
-    from epikv.bench.speed import available_policies
+    from epikv.bench.speed.study import available_policies
 
     python, versions = ensure_peer_env(config) if config.presses else (None, {})
     ours, missing = available_policies(config.ours)
@@ -200,7 +200,7 @@ def run_peer(
         ids_file = scratch / "ids.json"
         ids_file.write_text(json.dumps(prompt_ids(config, tokenizer)))
         args = common_args(config, folder, ids_file)
-        worker = [sys.executable, "-m", "epikv.bench.peer", "--worker"]
+        worker = [sys.executable, "-m", "epikv.bench.peer.study", "--worker"]
         sides = [("kvpress", p, [str(python), str(RUNNER), "--press", p, *args]) for p in config.presses]
         sides += [
             ("epikv", p, [*worker, "--policy", p, "--attention", _attention(config, p), *args]) for p in ours
@@ -269,9 +269,9 @@ def worker_main(argv: list[str]) -> int:
     """Decode under one of our policies from a model folder; print one JSON line."""
     from transformers import AutoModelForCausalLM
 
-    from epikv.bench.speed import timed_decode
+    from epikv.bench.speed.study import timed_decode
 
-    parser = argparse.ArgumentParser(prog="python -m epikv.bench.peer --worker")
+    parser = argparse.ArgumentParser(prog="python -m epikv.bench.peer.study --worker")
     for flag in ("--model", "--ids", "--policy"):
         parser.add_argument(flag, required=True)
     for flag in ("--budget", "--interval", "--tokens"):
@@ -338,5 +338,7 @@ def plot_peer(json_path: str | Path, png: str | Path | None = None) -> Path:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--worker"]:
-        raise SystemExit("usage: python -m epikv.bench.peer --worker ... (use `epikv bench peer` instead)")
+        raise SystemExit(
+            "usage: python -m epikv.bench.peer.study --worker ... (use `epikv bench peer` instead)"
+        )
     raise SystemExit(worker_main(sys.argv[2:]))

@@ -9,7 +9,7 @@ Three paths over the same random token ids (memory does not depend on the text):
   the band layers' hidden states are captured on the way (nothing is evicted).
 
 Every forward keeps its KV cache and only the last position's logits. On the CPU each (path, L)
-runs in its own process (:mod:`epikv.bench.memory_worker`) whose address space is capped a fixed
+runs in its own process (:mod:`epikv.bench.memory.worker`) whose address space is capped a fixed
 amount above the loaded model, so running out of memory is an exception that the worker reports,
 not a crash of the benchmark; the figure is resident memory (peak RSS minus RSS after loading). On
 CUDA the points run in this process, peak = ``torch.cuda.max_memory_allocated``, and an
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, figures, machine, model_loading
+from epikv.bench.shared import documents, figures, machine, model_loading
 
 PATHS = ("attention_outputs", "sdpa", "epikv_capture")
 GIB = 1 << 30
@@ -152,13 +152,13 @@ def measure_point(
 
 
 def subprocess_runner(config: MemoryConfig) -> PointRunner:
-    """Each point in a fresh ``python -m epikv.bench.memory_worker`` under the address-space cap."""
+    """Each point in a fresh ``python -m epikv.bench.memory.worker`` under the address-space cap."""
     src = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, **machine.QUIET_MALLOC)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
 
     def run(path: str, length: int) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "epikv.bench.memory_worker", "--path", path, "--length", str(length)]
+        cmd = [sys.executable, "-m", "epikv.bench.memory.worker", "--path", path, "--length", str(length)]
         cmd += ["--device", config.device, "--dtype", config.dtype, "--capture-policy", config.capture_policy]
         if config.model is not None:
             cmd += ["--model", config.model]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from epikv.bench import documents, figures, machine, model_loading
+from epikv.bench.shared import documents, figures, machine, model_loading
 from epikv.engine.runner import Runner
 from epikv.integration import build_spec
 from epikv.spec import budget_at_peak

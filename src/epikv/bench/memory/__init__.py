@@ -1,0 +1,1 @@
+"""Peak memory of one forward pass vs length (``study``), one capped point per process (``worker``)."""

@@ -1,0 +1,1 @@
+"""Decode tokens/s and compaction cost per policy (``study``)."""

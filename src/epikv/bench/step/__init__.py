@@ -1,0 +1,1 @@
+"""The decode step against the memory-traffic bound (``study``)."""
