@@ -208,6 +208,8 @@ def test_plot_and_cli(genre_run, tmp_path, short_prompts, capsys):
     assert table.count("| streaming | 48 |") == 2 and "gsm8k-greedy" not in table  # K 48 = peak 49
     assert main(["bench", "table", str(path), "--genres", "poetry"]) == 2
     assert "--genres poetry: the result has prose, gsm8k-greedy, all" in capsys.readouterr().err
+    assert main(["bench", "table", str(path), "--datasets", "prose"]) == 2
+    assert "a fidelity result is split by genres; give --genres" in capsys.readouterr().err
     code = main(
         [
             "bench",

@@ -9,27 +9,11 @@ import pytest
 
 from epikv.bench.fidelity.genres import GENRES, genre_texts, load_genre
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
-
-
-class CharTokenizer:
-    """One token per character (its code point); no chat template."""
-
-    chat_template = None
-    pad_token_id, eos_token_id = 0, 1
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": [ord(c) for c in text]}
-
-
-class ChatCharTokenizer(CharTokenizer):
-    chat_template = "role tags"
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+from tests.helpers.tokenizer import CharTokenizer, ChatCharTokenizer
 
 
 def text_of(ids) -> str:
-    return "".join(chr(i) for i in ids)
+    return CharTokenizer(fold=None).decode(ids)
 
 
 def test_the_five_genres_and_which_are_forced():
@@ -39,7 +23,7 @@ def test_the_five_genres_and_which_are_forced():
 
 @pytest.mark.parametrize("name", ["prose", "code", "math500-solutions"])
 def test_forced_items_split_the_raw_passage(name):
-    items = load_genre(name, CharTokenizer(), prompt_tokens=10, trace_tokens=25, count=4)
+    items = load_genre(name, CharTokenizer(fold=None), prompt_tokens=10, trace_tokens=25, count=4)
     texts = dict(genre_texts(name))
     for item in items:
         assert item.forced and item.trace_tokens == 25
@@ -51,12 +35,12 @@ def test_math_passage_is_problem_then_solution_and_short_ones_are_skipped():
     records = [json.loads(line) for line in resources.files("epikv").joinpath("data", "math500.jsonl").open()]
     assert genre_texts("math500-solutions")[0][1] == records[0]["problem"] + "\n\n" + records[0]["solution"]
     long_enough = [r["id"] for r in records if len(r["problem"]) + 2 + len(r["solution"]) >= 2000]
-    items = load_genre("math500-solutions", CharTokenizer(), prompt_tokens=500, trace_tokens=1500)
+    items = load_genre("math500-solutions", CharTokenizer(fold=None), prompt_tokens=500, trace_tokens=1500)
     assert [item.id for item in items] == long_enough and 0 < len(items) < len(records)
 
 
 def test_offset_and_count_take_a_window_of_the_eligible_items():
-    tok = CharTokenizer()
+    tok = CharTokenizer(fold=None)
     every = load_genre("code", tok, prompt_tokens=8, trace_tokens=8)
     assert [i.id for i in load_genre("code", tok, prompt_tokens=8, trace_tokens=8, count=3, offset=2)] == [
         i.id for i in every[2:5]
@@ -67,22 +51,22 @@ def test_offset_and_count_take_a_window_of_the_eligible_items():
 
 def test_greedy_genres_give_the_chat_prompt_and_no_continuation():
     problem = genre_texts("gsm8k-greedy")[0][1]
-    (item,) = load_genre("gsm8k-greedy", ChatCharTokenizer(), trace_tokens=512, count=1)
+    (item,) = load_genre("gsm8k-greedy", ChatCharTokenizer(fold=None), trace_tokens=512, count=1)
     assert not item.forced and item.continuation_ids is None and item.trace_tokens == 512
     assert text_of(item.prompt_ids) == f"<system>{PAPER_SYSTEM_PROMPT}<user>{problem}<assistant>"
-    (plain,) = load_genre("math500-greedy", ChatCharTokenizer(), count=1, chat=False)
+    (plain,) = load_genre("math500-greedy", ChatCharTokenizer(fold=None), count=1, chat=False)
     assert text_of(plain.prompt_ids) == genre_texts("math500-greedy")[0][1]
-    (no_template,) = load_genre("gsm8k-greedy", CharTokenizer(), count=1)
+    (no_template,) = load_genre("gsm8k-greedy", CharTokenizer(fold=None), count=1)
     assert text_of(no_template.prompt_ids) == problem
 
 
 def test_bad_requests_are_named():
     with pytest.raises(ValueError, match="did you mean 'prose'"):
-        load_genre("pros", CharTokenizer())
+        load_genre("pros", CharTokenizer(fold=None))
     with pytest.raises(ValueError, match="prompt_tokens >= 1"):
-        load_genre("prose", CharTokenizer(), prompt_tokens=0)
+        load_genre("prose", CharTokenizer(fold=None), prompt_tokens=0)
     with pytest.raises(ValueError, match="has 0 items"):
-        load_genre("prose", CharTokenizer(), prompt_tokens=10**6)
+        load_genre("prose", CharTokenizer(fold=None), prompt_tokens=10**6)
 
 
 @pytest.mark.parametrize("name, licenses", [("prose", {"public-domain"}), ("code", {"MIT", "BSD-3-Clause"})])

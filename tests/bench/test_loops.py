@@ -13,7 +13,7 @@ from epikv.bench.loops import study as loops
 from epikv.bench.loops.study import LoopsConfig
 from epikv.bench.shared import documents
 from epikv.cli import main
-from tests.ray_helpers import local_cluster, ray_test
+from tests.helpers.ray_cluster import local_cluster, ray_test
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,12 @@ def test_figure_and_tables_come_from_the_file(tiny_pair, problems_file, tmp_path
     assert "equal peak memory = 48" in table and "equal K (sweep) = 40" in table
     assert "| epikv | – | cannot match: peak 48 is not above" in table
     assert "Δ loops vs full" in table and "Δ accuracy vs h2o" in table
+    name = document["results"]["summary"]["datasets"][0]
+    assert main(["bench", "table", str(path), "--datasets", name]) == 0 and name in capsys.readouterr().out
+    assert main(["bench", "table", str(path), "--datasets", "nope"]) == 2
+    assert "--datasets nope: the result has" in capsys.readouterr().err
+    assert main(["bench", "table", str(path), "--genres", name]) == 2  # a loops result has datasets
+    assert "a loops result is split by datasets; give --datasets" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

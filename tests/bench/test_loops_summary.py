@@ -14,7 +14,7 @@ from epikv.bench.loops.summary import (
     problem_facts,
 )
 from epikv.bench.shared import paired
-from epikv.bench.shared.interval_plots import Ranked, rank, short
+from epikv.bench.shared.ci_plots import Ranked, rank, short
 from epikv.eval.loops import LoopConfig
 
 Z = 1.959963984540054  # the 97.5% normal quantile

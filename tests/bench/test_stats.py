@@ -54,9 +54,9 @@ def test_paired_difference_resolves_a_shift_that_separate_intervals_cannot():
 
 
 def test_interval_overlap_and_zero():
-    assert stats.Interval(0.5, 0.4, 0.6).overlaps(stats.Interval(0.7, 0.6, 0.8))
-    assert not stats.Interval(0.5, 0.4, 0.59).overlaps(stats.Interval(0.7, 0.6, 0.8))
-    assert stats.Interval(-0.2, -0.3, -0.1).excludes_zero and not stats.Interval(0, -0.1, 0.1).excludes_zero
+    assert stats.CI(0.5, 0.4, 0.6).overlaps(stats.CI(0.7, 0.6, 0.8))
+    assert not stats.CI(0.5, 0.4, 0.59).overlaps(stats.CI(0.7, 0.6, 0.8))
+    assert stats.CI(-0.2, -0.3, -0.1).excludes_zero and not stats.CI(0, -0.1, 0.1).excludes_zero
 
 
 def test_peak_and_budget_arithmetic():

@@ -24,7 +24,7 @@ from epikv.eval.ray_runner import RayOptions, shard_configs
 from epikv.eval.records import read_results
 from epikv.eval.report import format_table, load_runs
 from epikv.eval.tasks import load_task
-from tests.ray_helpers import local_cluster, ray_test
+from tests.helpers.ray_cluster import local_cluster, ray_test
 
 from .fakes import FakeResult, boxed
 

@@ -13,8 +13,8 @@ import pytest
 
 from epikv.cli import main as epikv_main
 from epikv.serve.ray_serve import REPLICA_HEADER, ReplicaResources, ReplicaSettings
+from tests.helpers.ray_cluster import local_cluster, ray_test
 from tests.helpers.serve import free_port
-from tests.ray_helpers import local_cluster, ray_test
 
 
 @pytest.fixture(scope="module")

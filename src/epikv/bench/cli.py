@@ -170,7 +170,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     table = kinds.add_parser("table", help="print a fidelity or loops result as markdown tables")
     table.add_argument("result", help="a fidelity.json or loops.json written by epikv bench")
     table.add_argument("--metric", default="agreement_tail", help="the column rows are ranked by")
-    table.add_argument("--genres", type=_names, default=None, help="genres or datasets to print")
+    table.add_argument("--genres", type=_names, default=None, help="fidelity result: genres to print")
+    table.add_argument("--datasets", type=_names, default=None, help="loops result: datasets to print")
     table.set_defaults(func=cmd_table)
 
 
@@ -212,11 +213,17 @@ def cmd_table(args: argparse.Namespace) -> int:
     if data["kind"] not in ("fidelity", "loops"):
         raise ValueError(f"{args.result}: a {data['kind']!r} result has no tables (fidelity, loops have)")
     summary = data["results"]["summary"]
-    if data["kind"] == "loops":  # --genres names its datasets
-        unknown = sorted(set(args.genres or ()) - set(summary["datasets"]))
+    wrong = "--genres" if data["kind"] == "loops" and args.genres else None
+    wrong = "--datasets" if data["kind"] == "fidelity" and args.datasets else wrong
+    if wrong:
+        right = "--datasets" if wrong == "--genres" else "--genres"
+        raise ValueError(f"{wrong}: a {data['kind']} result is split by {right[2:]}; give {right}")
+    if data["kind"] == "loops":
+        unknown = sorted(set(args.datasets or ()) - set(summary["datasets"]))
         if unknown:
-            raise ValueError(f"--genres {','.join(unknown)}: the result has {', '.join(summary['datasets'])}")
-        print(loops_summary.markdown(summary, args.genres))
+            have = ", ".join(summary["datasets"])
+            raise ValueError(f"--datasets {','.join(unknown)}: the result has {have}")
+        print(loops_summary.markdown(summary, args.datasets))
         return 0
     if args.metric not in METRICS:
         raise ValueError(f"--metric {args.metric!r} is not one of {', '.join(METRICS)}")

@@ -47,8 +47,8 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
 
 @dataclass(frozen=True)
-class Interval:
-    """Point estimate and percentile bootstrap interval of ρ for each row."""
+class CI:
+    """Point estimate and percentile bootstrap confidence interval of ρ for each row."""
 
     rho: np.ndarray  # (R,)
     low: np.ndarray  # (R,)
@@ -62,7 +62,7 @@ def bootstrap_spearman(
     resamples: int = 1000,
     level: float = 0.95,
     seed: int = 0,
-) -> Interval:
+) -> CI:
     """ρ of each row with the labels, and a percentile interval from resampling *groups* (problems).
 
     rows: (R, N) signals; labels: (N,); groups: (N,) integer problem id of each token. Tokens of one
@@ -84,12 +84,12 @@ def bootstrap_spearman(
         weights = counts[index].astype(np.float64)  # a drawn problem's tokens count once per draw
         draws[b] = _weighted_rho(x_sorted.ranks(weights), y_sorted.ranks(weights)[0], weights)
     if resamples == 0:
-        return Interval(point, np.full_like(point, np.nan), np.full_like(point, np.nan))
+        return CI(point, np.full_like(point, np.nan), np.full_like(point, np.nan))
     tail = (1.0 - level) / 2.0 * 100.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: ρ undefined in every resample
         low, high = np.nanpercentile(draws, [tail, 100.0 - tail], axis=0)
-    return Interval(point, low, high)
+    return CI(point, low, high)
 
 
 class _SortedRanks:

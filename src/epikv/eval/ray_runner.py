@@ -167,14 +167,15 @@ def _collect(ray: Any, refs: dict[Any, EvalConfig], progress: _Progress, poll_se
             try:
                 outcomes.append(ray.get(ref))
             except Exception as err:  # any task error or lost worker; the others go on
-                failure = ShardFailure(refs[ref], _describe(err))
+                failure = ShardFailure(refs[ref], describe_task_error(err))
                 failures.append(failure)
                 progress.bar.write(f"failed: {_task_name(failure.config)}: {failure.error}", file=sys.stderr)
         progress.advance()
     return RayRun(outcomes, failures)
 
 
-def _describe(err: BaseException) -> str:
+def describe_task_error(err: BaseException) -> str:
+    """One line for a failed Ray task: the task's own exception type and first line."""
     cause = getattr(err, "cause", None) or err  # a RayTaskError carries the task's own exception
     lines = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"

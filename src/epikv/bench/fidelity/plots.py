@@ -2,7 +2,7 @@
 
 ``plot_document`` writes the main figure (per comparison and genre: the cells ranked by top-1
 agreement over the common tail window, 95% intervals, the reference policy's interval shaded, and
-the memory each cell held beside them; :mod:`epikv.bench.shared.interval_plots`) and, beside it,
+the memory each cell held beside them; :mod:`epikv.bench.shared.ci_plots`) and, beside it,
 ``<name>-kept.png``: where each policy's kept tokens sit (kept-position histograms pooled over
 compactions, layers, heads and prompts).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from epikv.bench.shared import documents, figures
-from epikv.bench.shared.interval_plots import Ranked, memory_panel, rank, ranked_panel
+from epikv.bench.shared.ci_plots import Ranked, memory_panel, rank, ranked_panel
 
 
 def _ranked(label: str, value: list[float] | None) -> Ranked:

@@ -41,7 +41,7 @@ def _value(result: dict[str, Any], metric: str) -> float | None:
     return result.get(metric)
 
 
-def _interval(values: list[float], seed: int = 0) -> list[float] | None:
+def _bootstrap_ci(values: list[float], seed: int = 0) -> list[float] | None:
     if not values:
         return None
     found = stats.bootstrap_mean(values, seed=seed)
@@ -63,7 +63,7 @@ def cell_row(prompts: list[dict[str, Any]], cell: str) -> dict[str, Any]:
     done = [r for r in results if "skipped" not in r]
     row: dict[str, Any] = {"prompts": len(done), "skipped": len(results) - len(done)}
     for metric in METRICS:
-        row[metric] = _interval([v for r in done if (v := _value(r, metric)) is not None])
+        row[metric] = _bootstrap_ci([v for r in done if (v := _value(r, metric)) is not None])
     peaks = [r["peak_cache_tokens"] for r in done]
     means = [r["mean_cache_tokens"] for r in done if r.get("mean_cache_tokens") is not None]
     row["peak_cache_tokens"] = max(peaks) if peaks else None
@@ -76,7 +76,7 @@ def cell_row(prompts: list[dict[str, Any]], cell: str) -> dict[str, Any]:
     row["free_runs"] = len(free)
     row["loop_rate"] = statistics.fmean(r["loop_period"] is not None for r, _ in free) if free else None
     divergence = [float(n if r["first_divergence"] is None else r["first_divergence"]) for r, n in free]
-    row["first_divergence"] = _interval(divergence)
+    row["first_divergence"] = _bootstrap_ci(divergence)
     hists = [r["kept_histogram"] for r in done if r.get("kept_histogram")]
     row["kept_histogram"] = np.mean(hists, axis=0).round(5).tolist() if hists else None
     shares = [r["kept_prompt_share"] for r in done if r.get("kept_prompt_share") is not None]
@@ -114,8 +114,8 @@ def summarize_fidelity(
         chosen = _pick(prompts, g)
         full[g] = {
             "prompts": len(chosen),
-            "nll": _interval([p["full_nll"] for p in chosen]),
-            "nll_tail": _interval([p["full_nll_tail"] for p in chosen]),
+            "nll": _bootstrap_ci([p["full_nll"] for p in chosen]),
+            "nll_tail": _bootstrap_ci([p["full_nll_tail"] for p in chosen]),
             "loop_rate": statistics.fmean(p["full_loop_period"] is not None for p in chosen),
         }
     comparisons = []

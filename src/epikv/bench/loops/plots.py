@@ -13,7 +13,7 @@ from typing import Any
 
 from epikv.bench.loops.summary import FULL
 from epikv.bench.shared import documents, figures
-from epikv.bench.shared.interval_plots import Ranked, memory_panel, rank, ranked_panel
+from epikv.bench.shared.ci_plots import Ranked, memory_panel, rank, ranked_panel
 
 PANELS = (("loop", "loop rate"), ("cap_hit", "cap-hit rate"), ("correct", "accuracy"))
 

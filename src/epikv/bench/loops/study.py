@@ -310,7 +310,7 @@ def _run_on_ray(config: LoopsConfig) -> None:
     """The ``shards`` shards as Ray tasks writing one parts folder (the eval's connection and retry
     rules); the caller then assembles the parts. A failed shard is reported after all finish."""
     from epikv.cluster import connected, gpus_or_default
-    from epikv.eval.ray_runner import MAX_RETRIES, _describe
+    from epikv.eval.ray_runner import MAX_RETRIES, describe_task_error
 
     folder = str(Path(config.parts_dir or "").resolve())
     shards = [
@@ -327,7 +327,7 @@ def _run_on_ray(config: LoopsConfig) -> None:
             try:
                 ray.get(ref)
             except Exception as err:  # a task error or a lost worker; the other shards go on
-                failures.append(f"shard {shard.shard}: {_describe(err)}")
+                failures.append(f"shard {shard.shard}: {describe_task_error(err)}")
     if failures:
         raise RuntimeError(
             "loop study: " + "; ".join(failures) + " (finished parts are kept: run the same command again)"

@@ -89,7 +89,7 @@ def problem_facts(
     return {**{k: v for k, v in problem.items() if k != "cells"}, "cells": cells}
 
 
-def _interval(values: list[float]) -> list[float] | None:
+def _bootstrap_ci(values: list[float]) -> list[float] | None:
     if not values:
         return None
     found = stats.bootstrap_mean(values)
@@ -121,8 +121,8 @@ def cell_row(problems: list[dict[str, Any]], cell: str) -> dict[str, Any]:
         row[name] = _rate(sum(f[name] for f in done), len(done))
     finished = [f for f in done if not f["cap_hit"]]
     row["correct_finished"] = _rate(sum(f["correct"] for f in finished), len(finished))
-    row["length"] = _interval([f["length"] for f in done])
-    row["first_divergence"] = _interval([f["divergence"] for f in done if f["divergence"] is not None])
+    row["length"] = _bootstrap_ci([f["length"] for f in done])
+    row["first_divergence"] = _bootstrap_ci([f["divergence"] for f in done if f["divergence"] is not None])
     lags = [f["divergence"] - f["first_evicted"] for f in done if f["diverged"] and f["bound"]]
     row["divergence_after_first_eviction"] = _quartiles(lags)
     timings = [f["timing"] for f in done if f["timing"] is not None]

@@ -241,7 +241,7 @@ def run_serve(config: ServeBenchConfig, reporter: documents.Reporter | None = No
         stop_servers(servers)
     longest = max(level["max_prompt_tokens"] for by_c in levels.values() for level in by_c.values())
     swept = prompts[: max(config.concurrency) * config.rounds]  # the prompts whose length was measured
-    capacity = run_capacity(config, swept, longest, folder, load, bar) if config.pool_requests else None
+    capacity = fixed_pool_run(config, swept, longest, folder, load, bar) if config.pool_requests else None
     overhead = None
     if "epikv" in config.policies and "1" in levels["epikv"]:
         bar.set_postfix_str("epikv generate")
@@ -290,7 +290,7 @@ def sweep(
     return levels
 
 
-def run_capacity(
+def fixed_pool_run(
     config: ServeBenchConfig,
     prompts: list[str],
     prompt_tokens: int,

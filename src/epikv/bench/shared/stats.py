@@ -21,8 +21,8 @@ from epikv.spec import budget_for_peak
 DEFAULT_RESAMPLES = 10_000
 
 
-class Interval(NamedTuple):
-    """A point estimate with a two-sided percentile interval [low, high]."""
+class CI(NamedTuple):
+    """A point estimate with a two-sided confidence interval (percentile bootstrap) [low, high]."""
 
     mean: float
     low: float
@@ -32,7 +32,7 @@ class Interval(NamedTuple):
     def excludes_zero(self) -> bool:
         return self.low > 0 or self.high < 0
 
-    def overlaps(self, other: Interval) -> bool:
+    def overlaps(self, other: CI) -> bool:
         return self.low <= other.high and other.low <= self.high
 
 
@@ -55,7 +55,7 @@ def _check(resamples: int, level: float) -> None:
 
 def bootstrap_mean(
     values: ArrayLike, *, resamples: int = DEFAULT_RESAMPLES, level: float = 0.95, seed: int = 0
-) -> Interval:
+) -> CI:
     """Mean of per-prompt values with a percentile bootstrap interval over prompts.
 
     Args:
@@ -66,13 +66,13 @@ def bootstrap_mean(
         seed: seeds the ``numpy.random.Generator`` (PCG64), so equal inputs give equal intervals.
 
     Returns:
-        ``Interval(mean, low, high)``; ``mean`` is the plain mean of ``values``.
+        ``CI(mean, low, high)``; ``mean`` is the plain mean of ``values``.
     """
     array = _per_prompt(values)
     _check(resamples, level)
     mean = float(array.mean())
     if array.size == 1:  # every resample is the one prompt (scipy wants two observations)
-        return Interval(mean, mean, mean)
+        return CI(mean, mean, mean)
     found = scipy.stats.bootstrap(
         (array,),
         np.mean,
@@ -81,12 +81,12 @@ def bootstrap_mean(
         method="percentile",
         rng=np.random.default_rng(seed),
     ).confidence_interval
-    return Interval(mean, float(found.low), float(found.high))
+    return CI(mean, float(found.low), float(found.high))
 
 
 def paired_difference(
     a: ArrayLike, b: ArrayLike, *, resamples: int = DEFAULT_RESAMPLES, level: float = 0.95, seed: int = 0
-) -> Interval:
+) -> CI:
     """Mean of a - b over prompts, two policies measured on the same N prompts, with a paired
     percentile bootstrap (the same resampled prompts for both, i.e. a bootstrap of the differences).
 
@@ -94,7 +94,7 @@ def paired_difference(
         a, b: (N,) per-prompt values of policies A and B; entry i of both is prompt i.
 
     Returns:
-        ``Interval(mean_difference, low, high)``; ``excludes_zero`` says the difference is resolved
+        ``CI(mean_difference, low, high)``; ``excludes_zero`` says the difference is resolved
         at ``level``. Pairing removes the between-prompt spread that two separate intervals carry, so
         it can resolve a difference whose two separate intervals overlap.
     """
