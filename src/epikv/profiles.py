@@ -105,7 +105,7 @@ class ProfileSource:
 
 
 def _shipped_folder() -> Any:
-    return resources.files("epikv").joinpath("profiles")
+    return resources.files("epikv").joinpath("data", "profiles")
 
 
 def profile_sources(model: str) -> list[ProfileSource]:

@@ -3,8 +3,9 @@
 A policy never touches the model or the cache internals. It declares what it needs
 (:class:`Needs`), turns each step's signals into per-token values the cache stores beside the keys
 (:meth:`Policy.observe`), and scores the cached slots when the cache decides to compact
-(:meth:`Policy.score`). The cache owns the budget, the interval, true positions and the one
-selection function; the integration module supplies the signals.
+(:meth:`Policy.score`). The run spec (:class:`epikv.spec.CacheSpec`) carries the budget and the
+interval; the cache applies them, keeps true positions and calls the one keep rule
+(``CacheSpec.select``); the integration module supplies the signals.
 """
 
 from __future__ import annotations
@@ -32,17 +33,6 @@ class Needs:
     query_layer: int | None = None
     attention_layers: tuple[int, ...] = ()
     attention_queries: int = 0
-
-    @property
-    def attention_weights(self) -> bool:
-        return bool(self.attention_layers)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "hidden_states": list(self.hidden_layers),
-            "recent_queries": self.query_layer is not None,
-            "attention_weights": self.attention_weights,
-        }
 
 
 @dataclass(frozen=True)
