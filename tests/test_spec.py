@@ -70,3 +70,17 @@ def test_bands_come_with_their_origin():
     assert (s.bands.band_a, s.bands.band_b, s.bands.origin) == (1, 2, "set as parameters")
     assert "bands A=1 B=2 (set as parameters)" in s.describe()
     assert s.config()["bands"] == {"band_a": 1, "band_b": 2, "origin": "set as parameters"}
+
+
+def test_cap_tokens_is_the_one_rule_both_hosts_reserve_by():
+    after_prefill = CacheSpec.build(INFO, "streaming", 64, interval=16)
+    after_interval = CacheSpec.build(
+        INFO, "streaming", 64, interval=16, params={"first_compaction": "after_interval"}
+    )
+    assert (after_prefill.first_since, after_interval.first_since) == (16, 0)
+    # a prompt of at most K: K + tau; longer, held whole once: max(P, K + tau) or max(P, K) + tau
+    assert [after_prefill.cap_tokens(p) for p in (10, 70, 100)] == [80, 80, 100]
+    assert [after_interval.cap_tokens(p) for p in (10, 70, 100)] == [80, 86, 116]
+    assert after_interval.cap_tokens(10, budget=32) == 48
+    assert after_prefill.peak_tokens(50, 5) == 55 and after_prefill.peak_tokens(100, 500) == 100
+    assert CacheSpec.build(INFO, "full").cap_tokens(100) is None

@@ -148,17 +148,31 @@ class CacheSpec:
             )
         return budget
 
-    def peak_tokens(self, prompt_tokens: int, max_new_tokens: int, budget: int | None = None) -> int:
-        """Most cache slots one sequence can hold: prompt + generated tokens, capped by K + tau once
-        it evicts (a prompt longer than K is held whole until its first compaction, which comes right
-        after the prefill or tau decode steps later, as the policy's ``first_compaction`` says)."""
+    @property
+    def first_since(self) -> int:
+        """A new row's count of decode steps "since its last compaction": 0 when the policy's first
+        compaction waits tau decode steps (``after_interval``), tau when it may come right after the
+        prefill. Every host starts its books with it (:meth:`RowBooks.due` reads the count)."""
+        return 0 if self.policy.first_compaction == "after_interval" else self.interval
+
+    def cap_tokens(self, prompt_tokens: int, budget: int | None = None) -> int | None:
+        """Most cache slots one sequence ever holds, however long it generates (None: it never evicts).
+        A prompt longer than K is held whole until its first compaction, which comes right after the
+        prefill (then at most max(P, K + tau)) or tau decode steps later (``after_interval``: at most
+        max(P, K) + tau). What a host reserves and checks, on every host."""
         k = self.budget if budget is None else budget
-        total = prompt_tokens + max_new_tokens
         if k is None:
-            return total
+            return None
         if self.policy.first_compaction == "after_interval":
-            return min(total, max(prompt_tokens, k) + self.interval)
-        return min(total, max(prompt_tokens, k + self.interval))
+            return max(prompt_tokens, k) + self.interval
+        return max(prompt_tokens, k + self.interval)
+
+    def peak_tokens(self, prompt_tokens: int, max_new_tokens: int, budget: int | None = None) -> int:
+        """Most cache slots one sequence of ``max_new_tokens`` can hold: prompt + generated tokens,
+        capped by :meth:`cap_tokens` once it evicts."""
+        total = prompt_tokens + max_new_tokens
+        cap = self.cap_tokens(prompt_tokens, budget)
+        return total if cap is None else min(total, cap)
 
     def config(self) -> dict[str, Any]:
         """The resolved spec as saved next to results."""

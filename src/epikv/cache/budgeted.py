@@ -268,8 +268,7 @@ class BudgetedCache(Cache):
             added = real.tolist()  # one host sync per prefill
             for tokens in added:
                 self.spec.check_prompt(tokens, self.budget)
-            since = 0 if self.policy.first_compaction == "after_interval" else self.interval
-            self.books = RowBooks.start(real, since, self.budget, self.reservation)
+            self.books = RowBooks.start(real, self.spec.first_since, self.budget, self.reservation)
             self.state = self.policy.init_state(batch, self.model, new_valid.device)
             self._started = True
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
