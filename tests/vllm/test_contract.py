@@ -1,94 +1,93 @@
-"""What the plugin relies on in vLLM, pinned: the version series, the private runner methods it
-overrides (names and parameters), the attributes it reads; and every configuration it refuses."""
+"""What the plugin relies on in vLLM, pinned (every name in :mod:`epikv.vllm.pins`, checked against
+the classes actually subclassed and wrapped), and every configuration it refuses at start-up."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from types import SimpleNamespace
 
 import pytest
 import vllm
 from vllm.platforms import current_platform
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-from vllm.v1.worker.block_table import BlockTable, MultiGroupBlockTable
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_model_runner import ExecuteModelState, GPUModelRunner
 
 import epikv.vllm
 from epikv.policies.base import ModelInfo
+from epikv.vllm import pins
 from epikv.vllm.config import EpiKVSettings, Refused, check_engine
 
-OVERRIDDEN = {
-    "_update_states": ["self", "scheduler_output"],
-    "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
-    "execute_model": ["self", "scheduler_output", "intermediate_tensors"],
-    "get_kv_cache_spec": ["self"],
-    "_get_eagle3_aux_layers_from_config": ["self"],
-}
+
+def resolve(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def test_vllm_is_the_pinned_series():
-    assert vllm.__version__.startswith("0.32."), vllm.__version__
+    assert vllm.__version__.startswith(pins.VLLM_SERIES), vllm.__version__
 
 
-@pytest.mark.parametrize("name", sorted(OVERRIDDEN))
-def test_overridden_runner_methods_keep_their_parameters(name):
-    params = list(inspect.signature(getattr(GPUModelRunner, name)).parameters)
-    assert params == OVERRIDDEN[name], f"GPUModelRunner.{name}{params}: the plugin's override must follow"
+@pytest.mark.parametrize(
+    ("owner", "method"), [(owner, m) for owner, methods in pins.METHODS.items() for m in methods]
+)
+def test_each_overridden_or_wrapped_method_keeps_its_parameters(owner, method):
+    cls = resolve(owner)
+    function = getattr(cls, method)
+    function = getattr(function, "__wrapped__", function)
+    params = list(inspect.signature(function).parameters)
+    want = pins.METHODS[owner][method]
+    assert params[: len(want)] == want, f"{owner}.{method}{params}: the plugin's override must follow"
 
 
-def test_what_the_plugin_reads_is_still_there():
-    init = inspect.getsource(GPUModelRunner.__init__)
-    for attr in (
-        "self.seq_lens",
-        "self.positions",
-        "self.query_start_loc",
-        "self.req_indices",
-        "self.use_aux_hidden_state_outputs",
-        "self.execute_model_state",
-    ):
-        assert attr in init, attr
-    assert "aux_hidden_states" in ExecuteModelState._fields
-    assert list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)[:2] == [
-        "self",
-        "kv_cache_config",
-    ]
-    assert "CPUModelRunner(self.vllm_config" in inspect.getsource(CPUWorker.init_device)  # the swapped name
-    assert list(inspect.signature(MultiGroupBlockTable.compute_slot_mapping).parameters) == [
-        "self",
-        "num_reqs",
-        "query_start_loc",
-        "positions",
-    ]
-    assert "num_blocks_per_row" in inspect.getsource(BlockTable.__init__)
-    for name in ("get_num_blocks_to_allocate", "allocate_new_blocks"):
-        assert list(inspect.signature(getattr(FullAttentionManager, name)).parameters)[1:3] == [
-            "request_id",
-            "num_tokens",
-        ]
-    assert {"preempted_req_ids", "finished_req_ids", "scheduled_new_reqs"} <= set(
-        SchedulerOutput.__dataclass_fields__
-    )
-    source = inspect.getsource(Scheduler.__init__)
-    assert "self.max_num_running_reqs =" in source and "self.max_num_active_reqs =" in source
-    for name in ("check_and_update_config", "validate_request"):
-        assert inspect.ismethod(getattr(type(current_platform), name))  # classmethods the plugin wraps
+@pytest.mark.parametrize("owner", sorted(pins.FIELDS))
+def test_each_field_the_plugin_reads_is_still_there(owner):
+    cls = resolve(owner)
+    names = set(getattr(cls, "__dataclass_fields__", {})) | set(getattr(cls, "__struct_fields__", ()))
+    names |= set(getattr(cls, "_fields", ()))
+    assert pins.FIELDS[owner] <= names, pins.FIELDS[owner] - names
+
+
+def test_the_plugin_subclasses_and_wraps_exactly_the_pinned_classes():
+    from epikv.vllm.runner import EpiKVCPURunner, EpiKVCPUWorker
+    from epikv.vllm.scheduler import EpiKVAttentionManager, EpiKVScheduler
+
+    for ours, theirs in [
+        (EpiKVCPURunner, "vllm.v1.worker.cpu_model_runner:CPUModelRunner"),
+        (EpiKVCPUWorker, "vllm.v1.worker.cpu_worker:CPUWorker"),
+        (EpiKVScheduler, "vllm.v1.core.sched.scheduler:Scheduler"),
+        (EpiKVAttentionManager, "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager"),
+    ]:
+        vllm_class = resolve(theirs)
+        assert vllm_class in ours.__mro__
+        ours_only = [c for c in ours.__mro__ if c.__module__.startswith("epikv.")]
+        overridden = {
+            name
+            for c in ours_only
+            for name, value in vars(c).items()
+            if callable(value) and hasattr(vllm_class, name) and (name == "__init__" or name[:2] != "__")
+        }
+        assert overridden <= set(pins.METHODS[theirs]), (
+            f"not pinned: {overridden - set(pins.METHODS[theirs])}"
+        )
+    worker = resolve("vllm.v1.worker.cpu_worker:CPUWorker")
+    assert "CPUModelRunner(self.vllm_config" in inspect.getsource(worker.init_device)  # the swapped name
+    assert inspect.ismethod(type(current_platform).check_and_update_config)  # a classmethod it wraps
 
 
 def config(**changes) -> SimpleNamespace:
     """A stand-in for VllmConfig with the fields ``check_engine`` reads (the plugin's defaults)."""
     hf = SimpleNamespace(num_attention_heads=9, num_hidden_layers=30, hidden_size=576, model_type="llama")
     c = SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=hf, hf_config=hf, use_mla=False, model="m"),
+        model_config=SimpleNamespace(
+            hf_text_config=hf, hf_config=hf, use_mla=False, model="m", architectures=["LlamaForCausalLM"],
+            quantization=None, enable_prompt_embeds=False, model_impl="auto",
+        ),
         cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
         scheduler_config=SimpleNamespace(async_scheduling=False),
         speculative_config=None,
         kv_transfer_config=None,
-    )
+        lora_config=None,
+    )  # fmt: skip
     for path, value in changes.items():
         owner, field = path.split("__")
         setattr(getattr(c, owner) if owner != "vllm" else c, field, value)
@@ -96,42 +95,77 @@ def config(**changes) -> SimpleNamespace:
 
 
 MODEL = ModelInfo("m", 30, 9, 3, 64, 576)
+SEGQ = EpiKVSettings("epikv", 256, params={"band_a": 10, "band_b": 20}).spec(MODEL)
+STREAMING = EpiKVSettings("streaming", 64).spec(MODEL)
 
 
 @pytest.mark.parametrize(
-    ("change", "words"),
+    ("spec", "change", "words"),
     [
-        ({"cache_config__enable_prefix_caching": True}, "prefix caching"),
-        ({"vllm__speculative_config": object()}, "speculative decoding"),
-        ({"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
-        ({"parallel_config__tensor_parallel_size": 2}, "tensor parallelism"),
-        ({"cache_config__cache_dtype": "fp8"}, "fp8"),
-        ({"model_config__use_mla": True}, "latent attention"),
-        ({"scheduler_config__async_scheduling": True}, "async scheduling"),
-        ({"vllm__kv_transfer_config": object()}, "KV connectors"),
+        (STREAMING, {"cache_config__enable_prefix_caching": True}, "prefix caching is on"),
+        (STREAMING, {"vllm__speculative_config": object()}, "speculative decoding"),
+        (STREAMING, {"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
+        (STREAMING, {"parallel_config__tensor_parallel_size": 2}, "tensor parallelism"),
+        (STREAMING, {"cache_config__cache_dtype": "fp8"}, "fp8"),
+        (STREAMING, {"model_config__use_mla": True}, "latent attention"),
+        (STREAMING, {"scheduler_config__async_scheduling": True}, "async scheduling"),
+        (STREAMING, {"vllm__kv_transfer_config": object()}, "KV connectors"),
+        (STREAMING, {"model_config__enable_prompt_embeds": True}, "prompt embeddings"),
+        (SEGQ, {"vllm__lora_config": object()}, "LoRA"),
+        (SEGQ, {"model_config__quantization": "gptq"}, "'gptq' weights"),
     ],
 )
-def test_each_unsupported_setting_is_refused_with_one_line(change, words):
-    spec = EpiKVSettings("streaming", 64).spec(MODEL)
+def test_each_unsupported_setting_is_refused_with_one_line(spec, change, words):
     check_engine(config(), spec)  # the defaults pass
     with pytest.raises(Refused, match=words) as err:
         check_engine(config(**change), spec)
     assert "\n" not in str(err.value)
 
 
+def test_prefix_caching_runs_for_policies_that_protect_the_prompt():
+    assert SEGQ.policy.protect_prompt and not STREAMING.policy.protect_prompt
+    check_engine(config(cache_config__enable_prefix_caching=True), SEGQ)
+    check_engine(config(cache_config__enable_prefix_caching=True), EpiKVSettings("full").spec(MODEL))
+
+
+def test_lora_and_quantized_weights_are_fine_without_recomputed_queries():
+    check_engine(config(vllm__lora_config=object(), model_config__quantization="gptq"), STREAMING)
+
+
+def test_alibi_models_are_refused_when_they_evict():
+    c = config()
+    c.model_config.hf_config.model_type = "bloom"
+    with pytest.raises(Refused, match="ALiBi"):
+        check_engine(c, STREAMING)
+    check_engine(c, EpiKVSettings("full").spec(MODEL))  # nothing evicted: distances stay true
+
+
+def test_a_non_cpu_platform_is_refused(monkeypatch):
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(Refused, match=r"platform is not supported.*GPU path is designed"):
+        check_engine(config(), STREAMING)
+
+
+def test_models_without_the_aux_hidden_state_path_are_refused_for_banded_policies():
+    c = config()
+    c.model_config.architectures = ["GPT2LMHeadModel"]  # in vLLM, without EAGLE-3's aux hidden states
+    with pytest.raises(Refused, match="aux-hidden-state path"):
+        check_engine(c, SEGQ)
+    check_engine(c, STREAMING)  # reads no hidden state
+
+
 def test_models_with_sliding_windows_are_refused():
     c = config()
     c.model_config.hf_text_config.layer_types = ["sliding_attention", "full_attention"]
     with pytest.raises(Refused, match="sliding-window"):
-        check_engine(c, EpiKVSettings("streaming", 64).spec(MODEL))
+        check_engine(c, STREAMING)
 
 
 def test_recomputed_queries_are_refused_on_model_types_not_built():
     c = config()
     c.model_config.hf_config.model_type = "qwen3"  # query norm: not built in vLLM yet
-    spec = EpiKVSettings("epikv", 256, params={"band_a": 10, "band_b": 20}).spec(MODEL)
     with pytest.raises(Refused, match="recomputes queries"):
-        check_engine(c, spec)
+        check_engine(c, SEGQ)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "rkv", "thinkv", "raas"])
@@ -151,7 +185,8 @@ def test_engine_kwargs_carry_the_settings_and_the_plugin_classes():
     assert kw["additional_config"] == {
         "epikv": {"policy": "streaming", "budget": 128, "interval": 4, "params": {"n_sink": 8}}
     }
-    assert kw["enable_prefix_caching"] is False
+    assert kw["enable_prefix_caching"] is False  # streaming may evict prompt tokens
+    assert "enable_prefix_caching" not in epikv.vllm.engine_kwargs("epikv", 256)  # vLLM's default
     assert kw["worker_cls"].endswith("EpiKVCPUWorker") and kw["scheduler_cls"].endswith("EpiKVScheduler")
     settings = EpiKVSettings.from_config(kw["additional_config"])
     spec = settings.spec(MODEL)

@@ -24,6 +24,12 @@ def plain(embedded):
     return out
 
 
+@pytest.fixture(scope="module")
+def full(embedded):
+    """epikv's own engine with the full cache on the same prompts (the baseline of token agreement)."""
+    return reference_run("full", None, embedded["prompts"], N)
+
+
 def logprobs(outputs):
     return [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
 
@@ -39,7 +45,6 @@ def test_full_under_the_plugin_gives_plain_vllm_tokens_and_logprobs(embedded, pl
 def test_a_budget_that_never_evicts_gives_plain_vllm_tokens(embedded, plain):
     llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("epikv-flat", 4000))
     out = generate(llm, embedded["prompts"], N)
-    assert worker_state(llm).cap == 4001
     close(llm)
     assert tokens(out) == tokens(plain)
 
@@ -62,12 +67,11 @@ def kept_sets(trace, count):
     return out
 
 
-def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain, streaming):
+def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain, full, streaming):
     llm, trace = streaming
     trace.write_text("")
     out = generate(llm, embedded["prompts"], N)
     ref = reference_run("streaming", 64, embedded["prompts"], N)
-    full = reference_run("full", None, embedded["prompts"], N)
     ours = kept_sets(trace, len(embedded["prompts"]))
     for i, prompt in enumerate(embedded["prompts"]):
         # one per step once over K (the last chosen token is never fed back)
@@ -75,6 +79,7 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain
         assert ours[i] == ref["kept"][i], f"request {i}: kept sets differ from epikv's engine"
         # tokens agree at least as long as plain vLLM and epikv's full cache agree
         baseline = agree(tokens(plain)[i], full["tokens"][i])
+        assert baseline >= N // 2  # fp32: the two engines' full caches agree that long at least
         assert agree(tokens(out)[i], ref["tokens"][i]) >= baseline
     for o, prompt in zip(out, embedded["prompts"], strict=True):  # what the request's output reports
         evicted = len(prompt) + N - 1 - 64
@@ -82,6 +87,7 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain
             "peak_cache_tokens": 65,
             "evictions": evicted,
             "compactions": evicted,
+            "budget": 64,
         }
 
 
@@ -91,14 +97,6 @@ def test_requests_that_finish_at_different_times_give_their_solo_tokens(embedded
     together = tokens(generate(llm, embedded["prompts"], lengths))
     for prompt, n, got in zip(embedded["prompts"], lengths, together, strict=True):
         assert tokens(generate(llm, [prompt], n))[0] == got
-
-
-def test_a_prompt_longer_than_the_cap_is_refused_before_the_engine(embedded, streaming):
-    llm, _ = streaming
-    from vllm.exceptions import VLLMValidationError  # vllm serve answers it with a 400
-
-    with pytest.raises(VLLMValidationError, match="longer than K \\+ tau = 65"):
-        generate(llm, [list(range(100, 200))], 4)
 
 
 def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded):
@@ -125,7 +123,6 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded):
     counters = [o.kv_transfer_params["epikv"] for o in out]
     assert all(c["peak_cache_tokens"] <= 96 + 16 and c["evictions"] > 0 for c in counters)
     close(llm)
-    assert [len(t) for t in tokens(out)] == [N] * len(embedded["prompts"])
 
 
 def test_a_pool_for_one_full_request_runs_many_bounded_ones_without_preemption(embedded):
@@ -145,9 +142,9 @@ def test_a_pool_for_one_full_request_runs_many_bounded_ones_without_preemption(e
     prompts = [embedded["prompts"][i % 4] for i in range(8)]
     out = generate(llm, prompts, 600)
     close(llm)
-    assert [len(o.outputs[0].token_ids) for o in out] == [600] * 8
+    assert all(o.outputs[0].finish_reason == "length" for o in out)  # none preempted or failed
     assert max(held) == 4  # ceil((96 + 1) / 32) blocks per request, never more
-    assert max(running) == (blocks - 1) // 4 == 5  # admission by K + tau; vLLM alone fits one at a time
+    assert max(running) == (blocks - 1) // 4 == 5  # admission by each reservation; vLLM fits one at a time
 
 
 def test_unsupported_settings_are_refused_at_start_up(embedded):
@@ -157,3 +154,28 @@ def test_unsupported_settings_are_refused_at_start_up(embedded):
         )
     with pytest.raises(Refused, match="attention weights"):
         make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("h2o", 64))
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "lagkv"])
+def test_key_and_value_scored_policies_keep_epikvs_sets_while_tokens_agree(
+    embedded, plain, full, policy, tmp_path
+):
+    trace = tmp_path / "kept.jsonl"
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs(policy, 64, trace=str(trace)))
+    out = generate(llm, embedded["prompts"], N)
+    close(llm)
+    ref = reference_run(policy, 64, embedded["prompts"], N)
+    ours = kept_sets(trace, len(embedded["prompts"]))
+    for i in range(len(embedded["prompts"])):
+        baseline = agree(tokens(plain)[i], full["tokens"][i])
+        assert baseline >= N // 2  # fp32: the two engines' full caches agree that long at least
+        same = agree(tokens(out)[i], ref["tokens"][i])
+        assert same >= baseline
+        assert ours[i], "no compaction ran"
+        # every compaction whose inputs both engines share (tokens fed so far agree) keeps the same set
+        shared = [
+            k
+            for k, r in zip(ours[i], ref["kept"][i], strict=False)
+            if max(k) < len(embedded["prompts"][i]) + same
+        ]
+        assert shared == ref["kept"][i][: len(shared)], f"request {i}: {policy} kept sets differ"

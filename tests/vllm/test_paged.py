@@ -114,3 +114,17 @@ def test_compaction_then_vllm_attention_equals_dense_attention_over_the_kept_tok
         dense = torch.softmax(query.float().transpose(0, 1) @ kk.transpose(1, 2) * D**-0.5, dim=-1) @ vv
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), dense.transpose(0, 1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_writer_skips_slot_minus_one_so_a_faulted_row_writes_nowhere(dtype):
+    isa, _ = writer(dtype)
+    buf, pages = pool(dtype)
+    k, v = torch.randn(3, H, D).to(dtype), torch.randn(3, H, D).to(dtype)
+    write(pages[0], isa, k, v, torch.tensor([5, -1, 7]))
+    written = buf.clone()
+    write(pages[0], isa, k[:2], v[:2], torch.tensor([-1, -1]))
+    assert torch.equal(buf, written)  # nothing moved
+    buf.zero_()
+    write(pages[0], isa, k[1:2], v[1:2], torch.tensor([-1]))
+    assert not buf.any()

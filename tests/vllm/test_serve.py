@@ -25,7 +25,7 @@ def server(embedded, tmp_path_factory):
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", embedded["folder"],
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "4096", "--served-model-name", "smollm2", "--no-enable-prefix-caching",
+        "--max-model-len", "4096", "--served-model-name", "smollm2", "--enable-prefix-caching",
         "--additional-config", json.dumps({"epikv": {"policy": "epikv", "budget": 128}}),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -59,26 +59,89 @@ def chat(base: str, content: str, max_tokens: int) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
 
 
-def test_an_openai_client_gets_an_answer_with_bounded_memory(server):
+def test_an_openai_client_gets_an_answer_with_bounded_memory_and_its_own_budget(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=server + "/v1", api_key="none")
-    reply = client.chat.completions.create(
-        model="smollm2", max_tokens=300, temperature=0, extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": "Explain how a rainbow forms, step by step."}],
-    )  # fmt: skip
-    assert reply.choices[0].message.content and reply.usage.completion_tokens == 300
-    stats = reply.model_extra["kv_transfer_params"]["epikv"]
-    assert stats["peak_cache_tokens"] == 128 + 128  # K + tau of Seg-Q
-    assert stats["evictions"] > 0 and stats["compactions"] >= 1
-    metrics = httpx.get(server + "/metrics").text
-    assert "vllm:num_requests_running" in metrics  # vLLM's own metrics, unchanged
-    assert "epikv:peak_cache_tokens_bucket" in metrics  # and the plugin's, per finished request
-    evicted = [line for line in metrics.splitlines() if line.startswith("epikv:evicted_tokens_total")]
-    assert evicted and float(evicted[0].split()[-1]) >= stats["evictions"]
+    ask = [{"role": "user", "content": "Explain how a rainbow forms, step by step."}]
+    replies = [
+        client.chat.completions.create(
+            model="smollm2",
+            max_tokens=300,
+            temperature=0,
+            messages=ask,
+            extra_body={"ignore_eos": True, **({"vllm_xargs": {"epikv_budget": k}} if k else {})},
+        )
+        for k in (None, 64)
+    ]
+    stats = [r.model_extra["kv_transfer_params"]["epikv"] for r in replies]
+    assert all(r.choices[0].message.content and r.usage.completion_tokens == 300 for r in replies)
+    assert [(s["budget"], s["peak_cache_tokens"]) for s in stats] == [(128, 128 + 128), (64, 64 + 128)]
+    assert stats[1]["evictions"] > stats[0]["evictions"] > 0
+
+
+def test_a_bad_budget_is_a_400_naming_it(server):
+    body = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+            "vllm_xargs": {"epikv_budget": 100000}}  # fmt: skip
+    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "epikv_budget=100000" in reply.text
+
+
+def test_beam_search_is_refused_in_one_line(server):
+    body = {"model": "smollm2", "max_tokens": 4, "n": 2, "use_beam_search": True,
+            "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
+    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "beam search is not supported" in reply.text
+
+
+def test_stop_strings_and_streams_carry_their_counters(server):
+    free = chat(server, "Explain how a rainbow forms, step by step.", 60).json()
+    text = free["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2 :][:10]
+    ask = [{"role": "user", "content": "Explain how a rainbow forms, step by step."}]
+    body = {"model": "smollm2", "max_tokens": 60, "temperature": 0, "stop": [stop], "messages": ask}
+    stopped = httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["kv_transfer_params"]["epikv"]["peak_cache_tokens"] > 0
+    with httpx.stream(
+        "POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finishing = [c for c in chunks if any(ch.get("finish_reason") for ch in c["choices"])]
+    assert len(finishing) == 1 and finishing[0]["kv_transfer_params"] == stopped["kv_transfer_params"]
+
+
+def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(server):
+    system = "You are a careful assistant. " * 10  # a few full blocks of 16; Seg-Q@128 protects it
+    ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime."}]
+    body = {"model": "smollm2", "max_tokens": 40, "temperature": 0, "messages": ask}
+    hits = [metric(server, "vllm:prefix_cache_hits_total")]
+    answers = []
+    for _ in range(2):
+        answers.append(httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json())
+        hits.append(metric(server, "vllm:prefix_cache_hits_total"))
+    assert hits[2] - hits[1] >= 48  # the second request found the prompt's full blocks
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+
+
+def test_every_finished_request_is_counted_as_vllm_counts_it(server):
+    chat(server, "Count to five.", 8)
+    assert metric(server, "epikv:requests_total") == metric(server, "vllm:request_success_total") > 0
+    assert "epikv:peak_cache_tokens_bucket" in httpx.get(server + "/metrics").text
+
+
+def metric(base: str, name: str) -> float:
+    """A metric's value summed over its labels."""
+    lines = httpx.get(base + "/metrics").text.splitlines()
+    return sum(
+        float(line.split()[-1])
+        for line in lines
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def test_a_prompt_the_budget_cannot_hold_gets_a_400_naming_the_smallest_budget(server):
     reply = chat(server, "word " * 300, 8)
     assert reply.status_code == 400
     assert "smallest budget that holds them" in reply.text
+    assert httpx.get(server + "/health").status_code == 200

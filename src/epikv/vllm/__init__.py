@@ -5,8 +5,8 @@ In Python::
 
     llm = vllm.LLM(model, **epikv.vllm.engine_kwargs(policy="epikv", budget=1024), dtype="bfloat16")
 
-From the command line: ``vllm serve MODEL --no-enable-prefix-caching --additional-config
-'{"epikv": {"policy": "epikv", "budget": 1024}}'`` (docs/vllm.md). This module imports nothing
+From the command line: ``vllm serve MODEL --additional-config '{"epikv": {"policy": "epikv",
+"budget": 1024}}'`` (docs/vllm.md). This module imports nothing
 from vLLM, so ``engine_kwargs`` works before vLLM is imported.
 """
 
@@ -23,14 +23,22 @@ def engine_kwargs(
     policy: str = "epikv", budget: int | None = None, interval: int | None = None, **params: Any
 ) -> dict[str, Any]:
     """Everything ``vllm.LLM`` / ``EngineArgs`` need to run ``policy`` at budget K = ``budget``:
-    the additional config, the plugin's worker and scheduler classes, and prefix caching off.
+    the additional config, the plugin's worker and scheduler classes, and prefix caching off for a
+    policy that may evict prompt tokens (vLLM's default, on, for one that protects the prompt).
     ``params`` are policy hyperparameters (``trace=PATH`` writes each compaction's kept positions).
     The caller's own keyword arguments (dtype, kv_cache_memory_bytes, enforce_eager, ...) go beside."""
+    from epikv.policies import policy_class
+    from epikv.spec import parse_policy_params
+
     trace = params.pop("trace", None)
     settings = EpiKVSettings(policy, budget, interval, dict(params), trace)
-    return {
+    out: dict[str, Any] = {
         "additional_config": {KEY: settings.as_config()},
-        "enable_prefix_caching": False,
         "worker_cls": WORKER,
         "scheduler_cls": SCHEDULER,
     }
+    kind = policy_class(policy)
+    chosen = kind(**parse_policy_params(kind, params))
+    if chosen.evicts and not chosen.protect_prompt:  # its prompt blocks may change: no sharing
+        out["enable_prefix_caching"] = False
+    return out

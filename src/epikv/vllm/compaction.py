@@ -130,9 +130,8 @@ def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> C
     its kept count with the kept tokens above it (keys, values, positions, buffers)."""
     scores = spec.policy.score(state, view)
     b = view.slots.shape[0]
-    assert spec.budget is not None
     sel = spec.select(
-        scores, view.sorted_positions, view.prompt_len, view.seen, view.valid, [spec.budget] * b
+        scores, view.sorted_positions, view.prompt_len, view.seen, view.valid, [view.budget] * b
     )
     order = view.order
     index = sel.index.expand(order.shape[0], -1, order.shape[2], -1)

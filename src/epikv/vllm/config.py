@@ -12,13 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from epikv.errors import BudgetOutOfRange
 from epikv.policies.base import ModelInfo
-from epikv.spec import CacheSpec
+from epikv.spec import CacheSpec, parse_budget
+from epikv.vllm.pins import VLLM_SERIES
 
 KEY = "epikv"  # the key of ``additional_config`` the plugin reads
 WORKER = "epikv.vllm.runner.EpiKVCPUWorker"
 SCHEDULER = "epikv.vllm.scheduler.EpiKVScheduler"
-SUPPORTED_VLLM = ("0.32.",)  # the private runner methods overridden are pinned to this series
 
 
 class Refused(RuntimeError):
@@ -95,20 +96,40 @@ def vllm_policies() -> list[str]:
     return [n for n in policy_names() if "attention_weights" not in policy_class(n).requires]
 
 
-def cap_tokens(spec: CacheSpec) -> int | None:
-    """The most physical tokens a request ever holds: K + tau (None: ``full`` never evicts)."""
-    return None if spec.budget is None else spec.budget + spec.interval
+BUDGET_ARG = "epikv_budget"  # SamplingParams.extra_args key (``vllm_xargs`` in an OpenAI request body)
 
 
-def check_prompt_fits(spec: CacheSpec, tokens: int) -> None:
-    """Raise ValueError unless a prompt of ``tokens`` can run: its protected tokens fit K, and it fits
-    the K + tau slots its blocks are capped at (nothing to check for ``full``)."""
-    cap = cap_tokens(spec)
+@dataclass(frozen=True)
+class RequestPlan:
+    """What one request may hold: budget, its K (None: never evicts); cap, the most physical tokens
+    it ever holds (:meth:`CacheSpec.cap_tokens`); reserve, what admission charges it: the cap or, if
+    smaller, its prompt plus ``max_tokens`` (None: nothing reserved, it grows as in plain vLLM)."""
+
+    budget: int | None
+    cap: int | None
+    reserve: int | None
+
+
+def plan_request(
+    spec: CacheSpec, prompt_tokens: int, max_tokens: int | None, extra_args: Mapping[str, Any] | None
+) -> RequestPlan:
+    """The one rule for a request on both sides of vLLM (front end, scheduler, worker): its budget
+    (``extra_args["epikv_budget"]``, 1..the server's K, or the server's K), its cap and its
+    reservation. Raises an :class:`~epikv.errors.AdmissionError` (one line, naming the request field
+    to blame) for what cannot run: a bad budget, or a prompt whose protected tokens do not fit it."""
+    raw = (extra_args or {}).get(BUDGET_ARG)
+    budget = spec.budget
+    if raw is not None:
+        try:
+            budget = spec.row_budget(parse_budget(raw))
+        except ValueError as err:
+            raise BudgetOutOfRange(f"{BUDGET_ARG}={raw!r}: {err}") from None
+    spec.check_prompt(prompt_tokens, budget)
+    cap = spec.cap_tokens(prompt_tokens, budget)
     if cap is None:
-        return
-    spec.check_prompt(tokens)
-    if tokens > cap:
-        raise ValueError(f"epikv: a prompt of {tokens} tokens is longer than K + tau = {cap} tokens")
+        return RequestPlan(None, None, None)
+    reserve = cap if max_tokens is None else min(cap, prompt_tokens + max_tokens)
+    return RequestPlan(budget, cap, reserve)
 
 
 def model_info(vllm_config: Any) -> ModelInfo:
@@ -129,22 +150,31 @@ def model_info(vllm_config: Any) -> ModelInfo:
 
 
 def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
-    """Refuse, with one line, what the plugin does not run (yet)."""
+    """Refuse, with one line, what the plugin does not run (yet): at start-up, never at the first
+    compaction."""
     import vllm
+    from vllm.platforms import current_platform
 
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+    if not vllm.__version__.startswith(VLLM_SERIES):
         raise Refused(
-            f"epikv: vLLM {vllm.__version__} is not supported (tested on {SUPPORTED_VLLM[0]}x; the worker "
+            f"epikv: vLLM {vllm.__version__} is not supported (tested on {VLLM_SERIES}x; the worker "
             "overrides private methods of its model runner)"
         )
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
     hf = model.hf_text_config
+    evicts, queries = spec.evicts, spec.policy.needs().query_layer is not None
     checks = [
         (
-            cache.enable_prefix_caching,
-            "prefix caching is on: pass --no-enable-prefix-caching "
-            "(enable_prefix_caching=False); a compacted request's blocks no longer hold their prefix",
+            not current_platform.is_cpu(),
+            f"the {current_platform.device_name} platform is not supported: the plugin runs on vLLM's CPU "
+            "backend (the GPU path is designed in docs/vllm.md, not built)",
+        ),
+        (
+            evicts and cache.enable_prefix_caching and not spec.policy.protect_prompt,
+            f"prefix caching is on, and policy {spec.policy.name!r} may evict prompt tokens, so a prompt's "
+            "blocks could change under another request: pass --no-enable-prefix-caching "
+            "(enable_prefix_caching=False) or use a policy that protects the prompt",
         ),
         (vllm_config.speculative_config is not None, "speculative decoding is not supported"),
         (parallel.pipeline_parallel_size > 1, "pipeline parallelism is not supported"),
@@ -167,16 +197,43 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
             "models with sliding-window layers are not supported in vLLM yet (they are in "
             "epikv's own engine)",
         ),
+        (
+            evicts and _uses_alibi(model),
+            "ALiBi models are not supported: vLLM's kernels would bias by physical slots, so every "
+            "distance is wrong once tokens are evicted",
+        ),
+        (
+            bool(getattr(model, "enable_prompt_embeds", False)),
+            "prompt embeddings are not supported (--enable-prompt-embeds): the plugin protects and "
+            "counts a prompt by its token ids",
+        ),
         (bool(getattr(scheduler, "async_scheduling", False)), "async scheduling is not supported"),
         (vllm_config.kv_transfer_config is not None, "KV connectors are not supported"),
+        (
+            queries and getattr(vllm_config, "lora_config", None) is not None,
+            f"policy {spec.policy.name!r} recomputes queries, which LoRA adapters would change: "
+            "LoRA is not supported with it",
+        ),
+        (
+            queries and getattr(model, "quantization", None) is not None,
+            f"policy {spec.policy.name!r} recomputes queries through the query projection, which is not "
+            f"built for {model.quantization!r} weights; use an unquantized model or a policy without "
+            "queries",
+        ),
     ]
     for bad, why in checks:
         if bad:
             raise Refused(f"epikv: {why}")
-    if spec.policy.needs().query_layer is not None and model.hf_config.model_type not in QUERY_MODELS:
+    if queries and model.hf_config.model_type not in QUERY_MODELS:
         raise Refused(
             f"epikv: policy {spec.policy.name!r} recomputes queries, built for model types "
             f"{sorted(QUERY_MODELS)} in vLLM, not {model.hf_config.model_type!r}"
+        )
+    if spec.policy.needs().hidden_layers and not _has_aux_hidden_states(model):
+        raise Refused(
+            f"epikv: policy {spec.policy.name!r} reads hidden states through vLLM's EAGLE-3 aux-hidden-"
+            f"state path, which {model.architectures} does not have; use a policy that reads none "
+            "(streaming, keydiff, lagkv, random)"
         )
 
 
@@ -187,3 +244,29 @@ def _has_window(hf: Any) -> bool:
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
         return True
     return any(kind != "full_attention" for kind in (getattr(hf, "layer_types", None) or []))
+
+
+ALIBI_MODELS = {"bloom", "mpt", "jais", "baichuan"}  # attention biased by distance, not RoPE
+
+
+def _uses_alibi(model: Any) -> bool:
+    hf = model.hf_text_config
+    if getattr(hf, "alibi", False) or getattr(hf, "use_alibi", False):
+        return True
+    if getattr(hf, "position_embedding_type", None) == "alibi":
+        return True
+    kind = model.hf_config.model_type
+    return kind in ALIBI_MODELS and (kind != "baichuan" or getattr(hf, "num_hidden_layers", 0) >= 40)
+
+
+def _has_aux_hidden_states(model: Any) -> bool:
+    """Whether vLLM's class for the model has the EAGLE-3 aux-hidden-state path (True when the class
+    cannot be resolved here: vLLM then fails on the model itself)."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        cls, _ = ModelRegistry.resolve_model_cls(model.architectures, model)
+    except Exception:  # a stand-in config, or a class vLLM cannot load: not ours to refuse
+        return True
+    return bool(supports_eagle3(cls))

@@ -1,14 +1,19 @@
 """Prometheus metrics of what the plugin did to each finished request, on ``vllm serve``'s ``/metrics``.
 
-The counters ride on each finished request's output (``kv_transfer_params["epikv"]``, set by the
-scheduler); the front-end process observes them as outputs pass through vLLM's output processor, and
-the metrics live in prometheus_client's default registry, which vLLM's ``/metrics`` serves.
+Every output of a planned request carries its latest counters (``kv_transfer_params["epikv"]``, set
+by the scheduler). The front end's output processor keeps the latest per request while it runs
+(:class:`Latest`) and counts a request once, when vLLM counts it finished (the same place that feeds
+``vllm:request_success_total``: EOS, length, stop strings, errors, engine aborts), or when a client
+aborts it (a disconnect: vLLM counts none, so neither does ``epikv:requests_total``; it goes to
+``epikv:requests_aborted_total``). Nothing outlives its request. Each metric carries vLLM's
+``model_name`` label and ``finished_reason`` where vLLM has it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+KEY = "epikv"
 _METRICS: dict[str, Any] = {}
 PEAK_BUCKETS = tuple(float(2**i) for i in range(4, 18))  # 16 .. 131,072 tokens
 
@@ -17,31 +22,58 @@ def _metrics() -> dict[str, Any]:
     if not _METRICS:
         from prometheus_client import Counter, Histogram
 
+        model = ["model_name"]
         _METRICS.update(
             peak=Histogram(
                 "epikv:peak_cache_tokens",
                 "Peak physical KV tokens of a finished request.",
+                model,
                 buckets=PEAK_BUCKETS,
             ),
-            evicted=Counter("epikv:evicted_tokens", "KV tokens evicted by EpiKV, over finished requests."),
-            compactions=Counter("epikv:compactions", "EpiKV compactions, over finished requests."),
-            requests=Counter("epikv:requests", "Finished requests whose KV cache EpiKV ran."),
+            evicted=Counter(
+                "epikv:evicted_tokens", "KV tokens evicted by EpiKV, over finished requests.", model
+            ),
+            compactions=Counter("epikv:compactions", "EpiKV compactions, over finished requests.", model),
+            requests=Counter(
+                "epikv:requests",
+                "Finished requests of an EpiKV engine, counted where vLLM counts vllm:request_success.",
+                [*model, "finished_reason"],
+            ),
+            aborted=Counter(
+                "epikv:requests_aborted", "Requests of an EpiKV engine aborted by their client.", model
+            ),
         )
     return _METRICS
 
 
-def observe_finished(stats: dict[str, int]) -> None:
-    """One finished request's counters (``peak_cache_tokens``, ``evictions``, ``compactions``)."""
+def observe_finished(model: str, stats: dict[str, Any] | None, reason: str | None) -> None:
+    """One request's end: its counters (when it ran), under ``reason`` (None: a client abort)."""
     m = _metrics()
-    m["peak"].observe(stats["peak_cache_tokens"])
-    m["evicted"].inc(stats["evictions"])
-    m["compactions"].inc(stats["compactions"])
-    m["requests"].inc()
+    if reason is None:
+        m["aborted"].labels(model).inc()
+    else:
+        m["requests"].labels(model, reason).inc()
+    if stats and "peak_cache_tokens" in stats:
+        m["peak"].labels(model).observe(stats["peak_cache_tokens"])
+        m["evicted"].labels(model).inc(stats["evictions"])
+        m["compactions"].labels(model).inc(stats["compactions"])
 
 
-def observe_outputs(outputs: Any) -> None:
-    """Observe the finished ones among a step's engine-core outputs."""
-    for out in outputs:
-        params = out.kv_transfer_params
-        if out.finish_reason is not None and params and "epikv" in params:
-            observe_finished(params["epikv"])
+class Latest:
+    """The latest counters of each running request of one engine, in the front end."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.aborting = False  # inside abort_requests (which recurses into a parent's children)
+
+    def see(self, outputs: Any, running: Any) -> None:
+        """Keep the counters on ``outputs`` of requests still ``running`` (late outputs of aborted
+        ones are dropped, as vLLM drops them)."""
+        for out in outputs:
+            params = out.kv_transfer_params
+            if params and KEY in params and out.request_id in running:
+                self.stats[out.request_id] = params[KEY]
+
+    def finished(self, req_id: str, reason: Any) -> None:
+        observe_finished(self.model, self.stats.pop(req_id, None), None if reason is None else str(reason))

@@ -1,12 +1,19 @@
 """The ``vllm.general_plugins`` entry point: loaded by vLLM in every process before its config is built.
 
 :func:`register` (idempotent) maps the capped KV cache spec to its manager in vLLM's registry and
-wraps the platform's ``check_and_update_config`` so that a config carrying
-``additional_config["epikv"]`` gets the plugin's worker and scheduler (unless the user named others)
-and is checked once, at start-up, with one line per refusal; ``validate_request``, so a prompt
-that cannot run under the budget is refused before it reaches the engine (an HTTP 400 under
-``vllm serve``); and the front end's output processor, so finished requests' counters become
-Prometheus metrics (:mod:`epikv.vllm.metrics`). Without that key nothing changes.
+wraps, each keyed by the engine it belongs to (its own ``vllm_config``), never by a process-global:
+- the platform's ``check_and_update_config``, so a config carrying ``additional_config["epikv"]``
+  gets the plugin's worker and scheduler (unless the user named others) and is checked once, at
+  start-up, with one line per refusal;
+- the front end's input processor, so a request that cannot run under its budget (or names a bad
+  ``epikv_budget``) is refused before it reaches the engine (an HTTP 400 under ``vllm serve``); the
+  scheduler checks the same rule again for inputs that come another way;
+- beam search, refused per request in one line (each beam step is a new request that never evicts);
+- the front end's output processor, so each finished request's counters become Prometheus metrics
+  (:mod:`epikv.vllm.metrics`), labelled with the engine's served model name;
+- the OpenAI chat stream, so its chunk with the finish reason carries the request's counters
+  (``kv_transfer_params``, as the non-streamed response does).
+Without that key nothing changes.
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 _DONE = False
-_RULES: dict[str, Any] = {}  # the prompt rule of the engine configured last in this process
 
 
 def register() -> None:
@@ -27,7 +33,7 @@ def register() -> None:
 
     register_spec()
     platform = type(current_platform)
-    check, validate = platform.check_and_update_config, platform.validate_request
+    check = platform.check_and_update_config
 
     def check_and_update_config(cls: Any, vllm_config: Any) -> None:
         settings = _settings(vllm_config)
@@ -42,37 +48,12 @@ def register() -> None:
         if settings is not None:
             _check(settings, vllm_config)
 
-    def validate_request(cls: Any, processed_inputs: Any, params: Any) -> None:
-        validate(processed_inputs, params)
-        rule = _RULES.get("prompt")
-        tokens = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
-        if rule is not None and tokens is not None:
-            from vllm.exceptions import VLLMValidationError
-
-            try:
-                rule(len(tokens))
-            except ValueError as err:  # a client error: HTTP 400 under vllm serve
-                raise VLLMValidationError(str(err), parameter="prompt", value=len(tokens)) from err
-
     platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
-    platform.validate_request = classmethod(validate_request)  # type: ignore[method-assign]
-    _observe_outputs()
+    _wrap_inputs()
+    _wrap_beam_search()
+    _wrap_outputs()
+    _wrap_chat_stream()
     _DONE = True
-
-
-def _observe_outputs() -> None:
-    """Count each finished request's counters into Prometheus as its output reaches the front end."""
-    from vllm.v1.engine.output_processor import OutputProcessor
-
-    from epikv.vllm.metrics import observe_outputs
-
-    process = OutputProcessor.process_outputs
-
-    def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        observe_outputs(engine_core_outputs)
-        return process(self, engine_core_outputs, *args, **kwargs)
-
-    OutputProcessor.process_outputs = process_outputs  # type: ignore[method-assign]
 
 
 def _settings(vllm_config: Any) -> Any:
@@ -82,10 +63,9 @@ def _settings(vllm_config: Any) -> Any:
 
 
 def _check(settings: Any, vllm_config: Any) -> None:
-    from epikv.vllm.config import SCHEDULER, WORKER, Refused, check_engine, check_prompt_fits, model_info
+    from epikv.vllm.config import SCHEDULER, WORKER, Refused, check_engine, model_info
 
-    spec = settings.spec(model_info(vllm_config))
-    check_engine(vllm_config, spec)
+    check_engine(vllm_config, settings.spec(model_info(vllm_config)))
     worker = vllm_config.parallel_config.worker_cls
     scheduler = vllm_config.scheduler_config.scheduler_cls
     if not _named(worker, WORKER) or not _named(scheduler, SCHEDULER):
@@ -93,7 +73,6 @@ def _check(settings: Any, vllm_config: Any) -> None:
             f"epikv: worker_cls must be {WORKER} and scheduler_cls {SCHEDULER} (or subclasses), got "
             f"{worker} and {scheduler}"
         )
-    _RULES["prompt"] = lambda tokens: check_prompt_fits(spec, tokens)
 
 
 def _named(value: Any, path: str) -> bool:
@@ -102,3 +81,165 @@ def _named(value: Any, path: str) -> bool:
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     return isinstance(value, type) and issubclass(value, resolve_obj_by_qualname(path))
+
+
+def engine_spec(owner: Any, vllm_config: Any) -> Any:
+    """The run spec of the engine ``owner`` belongs to (built once per owner; None without the key)."""
+    if not hasattr(owner, "_epikv_spec"):
+        from epikv.vllm.config import model_info
+
+        settings = _settings(vllm_config)
+        owner._epikv_spec = settings.spec(model_info(vllm_config)) if settings is not None else None
+    return owner._epikv_spec
+
+
+def _wrap_inputs() -> None:
+    """Refuse, in the front end, what the engine's rule refuses (a 400 under ``vllm serve``)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    process = InputProcessor.process_inputs
+
+    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = process(self, *args, **kwargs)
+        spec = engine_spec(self, self.vllm_config)
+        if spec is not None and spec.evicts and request.prompt_token_ids is not None:
+            _admit(spec, request)
+        return request
+
+    InputProcessor.process_inputs = process_inputs  # type: ignore[method-assign]
+
+
+def _admit(spec: Any, request: Any) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    from epikv.errors import AdmissionError
+    from epikv.vllm.config import BUDGET_ARG, plan_request
+
+    params = request.sampling_params
+    if params is None:  # pooling: nothing is generated, nothing evicted
+        return
+    tokens = len(request.prompt_token_ids)
+    try:
+        plan_request(spec, tokens, params.max_tokens, params.extra_args)
+    except AdmissionError as err:
+        name = BUDGET_ARG if err.field == "budget" else "prompt"
+        value = (params.extra_args or {}).get(BUDGET_ARG) if err.field == "budget" else tokens
+        raise VLLMValidationError(f"epikv: {err}", parameter=name, value=value) from err
+
+
+def _wrap_beam_search() -> None:
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+    from vllm.exceptions import VLLMValidationError
+
+    why = (
+        "epikv: beam search is not supported: each beam step is a new request that prefills the "
+        "prompt and beam again, so nothing is ever evicted"
+    )
+    offline, online = BeamSearchOfflineMixin.beam_search, BeamSearchOnlineMixin.beam_search
+
+    def offline_search(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _settings(self.llm_engine.vllm_config) is not None:
+            raise VLLMValidationError(why, parameter="use_beam_search")
+        return offline(self, *args, **kwargs)
+
+    async def online_search(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _settings(self.engine_client.vllm_config) is not None:
+            raise VLLMValidationError(why, parameter="use_beam_search")
+        async for out in online(self, *args, **kwargs):
+            yield out
+
+    BeamSearchOfflineMixin.beam_search = offline_search  # type: ignore[method-assign]
+    BeamSearchOnlineMixin.beam_search = online_search  # type: ignore[method-assign]
+
+
+def _wrap_outputs() -> None:
+    """Count each request of an epikv engine once, where vLLM counts it (:mod:`epikv.vllm.metrics`)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from epikv.vllm.metrics import Latest
+
+    for engine in (AsyncLLM, LLMEngine):
+        _after_init(engine, Latest)
+    process, finished = OutputProcessor.process_outputs, OutputProcessor._update_stats_from_finished
+    abort = OutputProcessor.abort_requests
+
+    def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        latest = getattr(self, "epikv_latest", None)
+        if latest is not None:
+            latest.see(engine_core_outputs, self.request_states)
+        return process(self, engine_core_outputs, *args, **kwargs)
+
+    def update_stats_from_finished(self: Any, req_state: Any, finish_reason: Any, *args: Any) -> Any:
+        latest = getattr(self, "epikv_latest", None)
+        if latest is not None:
+            latest.finished(req_state.request_id, finish_reason)
+        return finished(self, req_state, finish_reason, *args)
+
+    def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        latest = getattr(self, "epikv_latest", None)
+        if latest is None or latest.aborting:  # a parent's children: the outer call counts them
+            return abort(self, *args, **kwargs)
+        latest.aborting = True
+        try:
+            aborted = abort(self, *args, **kwargs)
+        finally:
+            latest.aborting = False
+        for req_id in aborted:
+            latest.finished(req_id, None)
+        return aborted
+
+    OutputProcessor.process_outputs = process_outputs  # type: ignore[method-assign]
+    OutputProcessor._update_stats_from_finished = update_stats_from_finished  # type: ignore[method-assign]
+    OutputProcessor.abort_requests = abort_requests  # type: ignore[method-assign]
+
+
+def _after_init(engine: type, latest: type) -> None:
+    """Give the engine's output processor its per-engine counters when the engine runs epikv."""
+    init = engine.__init__
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, vllm_config, *args, **kwargs)
+        if _settings(vllm_config) is not None:
+            name = vllm_config.model_config.served_model_name
+            model = name[0] if isinstance(name, list | tuple) else str(name)
+            self.output_processor.epikv_latest = latest(model)
+
+    engine.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _wrap_chat_stream() -> None:
+    """The streamed chat response's finishing chunk carries ``kv_transfer_params`` (the counters of
+    the request's last output), as vLLM's non-streamed response does."""
+    import json
+
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    stream = OpenAIServingChat.chat_completion_stream_generator
+
+    async def chat_completion_stream_generator(
+        self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if _settings(self.engine_client.vllm_config) is None:
+            async for chunk in stream(self, request, result_generator, *args, **kwargs):
+                yield chunk
+            return
+        final: dict[str, Any] = {}
+
+        async def tap() -> Any:
+            async for res in result_generator:
+                if res.finished and res.kv_transfer_params:
+                    final["params"] = res.kv_transfer_params
+                yield res
+
+        async for chunk in stream(self, request, tap(), *args, **kwargs):
+            if "params" in final and chunk.startswith("data: {"):
+                data = json.loads(chunk[len("data: ") :])
+                if any(c.get("finish_reason") for c in data.get("choices", ())):
+                    data["kv_transfer_params"] = final.pop("params")
+                    chunk = f"data: {json.dumps(data)}\n\n"
+            yield chunk
+
+    OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator  # type: ignore[method-assign]

@@ -17,14 +17,17 @@ from epikv.cache.books import RowBooks
 from epikv.policies.base import ModelInfo
 from epikv.policies.rows import cat_rows, take_rows
 from epikv.spec import CacheSpec
+from epikv.vllm.config import RequestPlan
 
 
 @dataclass
 class Record:
-    """One request: its books (one row) and its policy state (one row)."""
+    """One request: its books (one row), its policy state (one row) and its cap (the most physical
+    tokens it may hold: :attr:`RequestPlan.cap`)."""
 
     books: RowBooks
     state: Any
+    cap: int
 
 
 class Requests:
@@ -38,12 +41,16 @@ class Requests:
         self._books: RowBooks | None = None
         self._state: Any = None
 
-    def add(self, req_id: str, prompt_tokens: int) -> None:
-        policy = self.spec.policy
-        since = 0 if policy.first_compaction == "after_interval" else self.spec.interval
-        prompt = torch.tensor([prompt_tokens])
-        books = RowBooks.start(prompt, since, self.spec.budget, None)
-        self.records[req_id] = Record(books, policy.init_state(1, self.model, torch.device("cpu")))
+    def add(self, req_id: str, prompt_tokens: int, plan: RequestPlan, cached: int = 0) -> None:
+        """A new request under ``plan``; ``cached`` prompt tokens are already in its blocks (a
+        prefix-cache hit: held, seen, never evicted, since the policy protects the prompt)."""
+        assert plan.cap is not None, "the plugin's books are for evicting requests"
+        books = RowBooks.start(torch.tensor([prompt_tokens]), self.spec.first_since, plan.budget, None)
+        if cached:
+            books.grow([cached], cached, decode=False)
+            books.seen = books.seen + cached
+        state = self.spec.policy.init_state(1, self.model, torch.device("cpu"))
+        self.records[req_id] = Record(books, state, plan.cap)
         self.dropped[req_id] = 0
 
     def remove(self, req_id: str) -> Record | None:
@@ -75,5 +82,6 @@ class Requests:
             return
         for row, req_id in enumerate(self._order):
             if req_id in self.records:
-                self.records[req_id] = Record(self._books.take([row]), take_rows(self._state, [row]))
+                cap = self.records[req_id].cap
+                self.records[req_id] = Record(self._books.take([row]), take_rows(self._state, [row]), cap)
         self._order, self._books, self._state = [], None, None

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -28,7 +29,7 @@ from epikv.vllm.config import EpiKVSettings, Refused, check_engine, model_info
 from epikv.vllm.paged import PagedKV, probe_layout
 from epikv.vllm.queries import query_projector
 from epikv.vllm.scheduler import capped_spec, register_spec
-from epikv.vllm.step import EpiKVWorkerState
+from epikv.vllm.step import EpiKVWorkerState, NewRequest, StepBatch
 
 
 class EpiKVRunnerMixin:
@@ -83,31 +84,83 @@ class EpiKVRunnerMixin:
         self.epikv.store, self.epikv.block_size = store, block
 
     def _update_states(self, scheduler_output: Any) -> Any:
+        out_ = scheduler_output
         if self.epikv is not None:
-            self.epikv.before_update(scheduler_output)
+            gone = set(out_.preempted_req_ids or ()) | set(out_.scheduled_cached_reqs.resumed_req_ids)
+            self.epikv.before_update(list(out_.finished_req_ids), sorted(gone))
         out = super()._update_states(scheduler_output)  # type: ignore[misc]
         if self.epikv is not None:
-            self.epikv.after_update(scheduler_output)
+            self.epikv.after_update([_new_request(new) for new in out_.scheduled_new_reqs])
         return out
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
         if self.epikv is not None and self.epikv.evicts:
-            self.epikv.physical(self, num_scheduled_tokens)
+            self._physical(num_scheduled_tokens)
         return out
+
+    def _physical(self, scheduled: np.ndarray) -> None:
+        """Attention lengths and slots become physical (positions stay logical); a faulted row's
+        tokens are written nowhere (vLLM's writer skips slot -1)."""
+        assert self.epikv is not None
+        batch = self._step_batch(scheduled)
+        dropped, bad = self.epikv.physical(batch)
+        if not dropped.any() and not bad.any():
+            return
+        n, total = len(batch.ids), int(batch.starts[-1])
+        self.seq_lens[:n] -= torch.from_numpy(dropped).to(self.seq_lens.dtype)  # type: ignore[attr-defined]
+        rows = self.req_indices.np[:total]  # type: ignore[attr-defined]
+        physical = batch.positions[:total] - torch.from_numpy(dropped[rows])
+        table = self.input_batch.block_table  # type: ignore[attr-defined]
+        table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], physical)  # type: ignore[attr-defined]
+        if bad.any():
+            table[0].slot_mapping.gpu[:total][torch.from_numpy(bad[rows])] = -1
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         out = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         state = self.execute_model_state  # type: ignore[attr-defined]
         if self.epikv is not None and state is not None:
-            self.epikv.after_forward(self, state.aux_hidden_states)
+            batch = self._step_batch(scheduler_output.num_scheduled_tokens, written=True)
+            self.epikv.after_forward(batch, state.aux_hidden_states)
         return out
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)  # type: ignore[misc]
-        if self.epikv is not None and hasattr(out, "req_ids"):
-            out.epikv = self.epikv.report  # travels to the scheduler with the output (pickled)
+        if self.epikv is not None and hasattr(out, "req_ids") and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+            out.epikv, out.epikv_faults = self.epikv.take()  # travel to the scheduler (pickled)
         return out
+
+    def _step_batch(self, scheduled: Any, written: bool = False) -> StepBatch:
+        """This step's rows, read from vLLM's runner and input batch (the one place that does)."""
+        batch = self.input_batch  # type: ignore[attr-defined]
+        n = batch.num_reqs
+        ids = list(batch.req_ids[:n])
+        if isinstance(scheduled, dict):  # after the forward: the scheduler's per-request counts
+            scheduled = np.array([scheduled[r] for r in ids], dtype=np.int64)
+        starts = self.query_start_loc.np[: n + 1].astype(np.int64)  # type: ignore[attr-defined]
+        table = batch.block_table[0]
+        return StepBatch(
+            ids=ids,
+            computed=batch.num_computed_tokens_cpu[:n].astype(np.int64),
+            prompts=batch.num_prompt_tokens[:n].astype(np.int64),
+            scheduled=np.asarray(scheduled[:n], dtype=np.int64),
+            starts=starts,
+            room=table.num_blocks_per_row[:n].astype(np.int64) * self.epikv.block_size,  # type: ignore[union-attr]
+            positions=self.positions[: int(starts[n])],  # type: ignore[attr-defined]
+            slots=table.slot_mapping.gpu[: int(starts[n])].long() if written else None,
+            blocks=lambda req_id: self.requests[req_id].block_ids[0],  # type: ignore[attr-defined]
+        )
+
+
+def _new_request(new: Any) -> NewRequest:
+    params = new.sampling_params
+    return NewRequest(
+        req_id=new.req_id,
+        prompt=None if new.prompt_token_ids is None else len(new.prompt_token_ids),
+        cached=int(new.num_computed_tokens),
+        max_tokens=params.max_tokens if params is not None else None,
+        extra_args=params.extra_args if params is not None else None,
+    )
 
 
 class EpiKVCPURunner(EpiKVRunnerMixin, CPUModelRunner):

@@ -1,33 +1,49 @@
-"""Scheduler side: each evicting request's blocks are capped at ceil((K + tau) / B), never freed early.
+"""Scheduler side: each evicting request reserves what it can ever hold, up front, and fails alone.
 
-The worker compacts a request back to K tokens every tau steps once it holds more than K, so its
-physical length never passes K + tau (:func:`epikv.vllm.config.cap_tokens`). The scheduler keeps
-counting logical tokens; only the number of blocks a request gets is capped, through vLLM's official
-KV-cache-spec registry (a spec that carries the cap, and the manager it maps to). The scheduler
-subclass admits at most ``usable blocks // cap blocks`` running requests, so the pool cannot run dry
-and no evicting request is ever preempted; if one were, it fails loudly rather than re-prefilling a
-compacted request whose blocks no longer hold its sequence.
+The worker compacts a request back to its K every tau steps once it holds more, so its physical
+length never passes its cap (:meth:`epikv.spec.CacheSpec.cap_tokens`: max(P, K) + tau at most, P its
+prompt). Each request is planned once, by the rule every host shares
+(:func:`epikv.vllm.config.plan_request`): its K (the server's, or its own ``epikv_budget``), its cap,
+and its reservation, min(cap, prompt + ``max_tokens``). The capped manager (vLLM's official
+KV-cache-spec registry maps :class:`EpiKVAttentionSpec` to it) gives a request all its reserved
+blocks at its first allocation and never more, so admission is vLLM's own: a waiting request runs
+when the pool holds its reservation, and a running evicting request never asks for a block, so it is
+never preempted for one. The scheduler keeps counting logical tokens.
+
+A request that cannot run (a bad budget, a prompt its budget cannot protect, a reservation larger
+than the pool, a resumable session), one that would be preempted (``reset_prefix_cache`` with
+running requests, ``pause_generation(mode="keep")``: a compacted cache cannot be re-prefilled), and
+one whose step failed in the worker, finishes alone with vLLM's ``error`` finish and one log line
+naming the cause (also on its output: ``kv_transfer_params["epikv"]["error"]``); the engine serves on.
+
+Prefix caching, for policies that protect the prompt: only a request's full prompt blocks are ever
+cached (compaction never moves or overwrites a prompt token), never a block it generates into.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+from vllm.v1.request import RequestStatus
+
+from epikv.errors import AdmissionError
+from epikv.vllm.config import KEY, EpiKVSettings, RequestPlan, model_info, plan_request
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpiKVAttentionSpec(FullAttentionSpec):
-    """Full attention whose requests hold at most ``cap_tokens`` physical tokens (0 = no cap)."""
+    """Full attention under an evicting policy: ``cap_tokens`` is K + tau, what one request with a
+    prompt of at most K holds (the start-up check's unit; 0 = the policy never evicts)."""
 
     cap_tokens: int = 0
 
@@ -49,24 +65,31 @@ class EpiKVAttentionSpec(FullAttentionSpec):
 
 
 class EpiKVAttentionManager(FullAttentionManager):
-    """Full-attention blocks, counted against the cap: a request stops growing at its cap."""
+    """Full-attention blocks for planned requests: all of a request's reservation at its first
+    allocation, never more; only full prompt blocks are cached. Requests without a plan (or whose
+    policy never evicts) are vLLM's as usual."""
 
-    def _capped(self, num_tokens: int) -> int:
-        cap = getattr(self.kv_cache_spec, "cap_tokens", 0)
-        return min(num_tokens, cap) if cap else num_tokens
+    plans: dict[str, RequestPlan] | None = None  # the scheduler's, shared
+
+    def _reserved(self, request_id: str, num_tokens: int) -> int:
+        plan = self.plans.get(request_id) if self.plans is not None else None
+        return num_tokens if plan is None or plan.reserve is None else plan.reserve
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
-        return super().get_num_blocks_to_allocate(request_id, self._capped(num_tokens), *args, **kwargs)
+        return super().get_num_blocks_to_allocate(
+            request_id, self._reserved(request_id, num_tokens), *args, **kwargs
+        )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> Any:
         return super().allocate_new_blocks(
-            request_id, self._capped(num_tokens), self._capped(num_tokens_main_model)
+            request_id, self._reserved(request_id, num_tokens), self._reserved(request_id, num_tokens)
         )
 
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
-        if getattr(self.kv_cache_spec, "cap_tokens", 0):
-            raise RuntimeError("epikv: prefix caching must be off for an evicting policy")
-        super().cache_blocks(request, num_tokens)
+    def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        plan = self.plans.get(request.request_id) if self.plans is not None else None
+        if plan is not None and plan.cap is not None:  # blocks past the prompt can be compacted
+            num_tokens = min(num_tokens, request.num_prompt_tokens // self.block_size * self.block_size)
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
 
 
 def register_spec() -> None:
@@ -83,68 +106,126 @@ def capped_spec(spec: FullAttentionSpec, cap: int | None) -> EpiKVAttentionSpec:
     return EpiKVAttentionSpec(**values, cap_tokens=cap or 0)
 
 
-def group_caps(specs: Sequence[Any]) -> list[int]:
-    """The caps of a KV cache config's group specs (0 where a group has none)."""
-    out = []
-    for spec in specs:
-        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-        values = inner.values() if isinstance(inner, dict) else [spec]
-        out.extend(getattr(s, "cap_tokens", 0) for s in values)
-    return out
+def stats_of(counters: tuple[int, int, int, int]) -> dict[str, int]:
+    """A request's counters as its output carries them (``kv_transfer_params["epikv"]``)."""
+    peak, evicted, compactions, budget = counters
+    return {"peak_cache_tokens": peak, "evictions": evicted, "compactions": compactions, "budget": budget}
 
 
 class EpiKVScheduler(Scheduler):
-    """vLLM's scheduler with admission by K + tau: at most ``usable blocks // cap blocks`` requests run
-    at once, so the pool never runs dry and an evicting request is never preempted."""
+    """vLLM's scheduler with each request planned at admission (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        self.epikv_counters: dict[str, tuple[int, int, int]] = {}  # req_id -> the worker's latest
-        caps = [c for c in group_caps([g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]) if c]
-        self.epikv_cap = max(caps) if caps else 0
-        if not self.epikv_cap:
-            return
-        block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        self.epikv_cap_blocks = cdiv(self.epikv_cap, block)
-        usable = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
-        limit = usable // self.epikv_cap_blocks
-        if limit < 1:
-            raise ValueError(
-                f"epikv: the KV pool has {usable} blocks of {block} tokens, fewer than one request's "
-                f"K + tau = {self.epikv_cap} tokens ({self.epikv_cap_blocks} blocks)"
+        self.epikv_plans: dict[str, RequestPlan] = {}
+        self.epikv_counters: dict[str, tuple[int, int, int, int]] = {}  # the worker's latest
+        self._epikv_failed: list[tuple[int, EngineCoreOutput]] = []
+        self._epikv_final: dict[str, tuple[int, int, int, int]] | None = None
+        settings = EpiKVSettings.from_config(vllm_config.additional_config or {})
+        self.epikv_spec = settings.spec(model_info(vllm_config)) if settings is not None else None
+        self.epikv_usable_blocks = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
+        self.epikv_block = 0
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            if isinstance(manager, EpiKVAttentionManager):
+                manager.plans = self.epikv_plans
+                self.epikv_block = manager.block_size
+        if self.epikv_spec is not None and self.epikv_spec.evicts:
+            cap = self.epikv_spec.cap_tokens(0)
+            log.info(
+                "%s: each request reserves min(its cap, prompt + max_tokens) tokens; a prompt of at most "
+                "K holds at most K + tau = %s",
+                KEY,
+                cap,
             )
-        self.max_num_running_reqs = min(self.max_num_running_reqs, limit)
-        self.max_num_active_reqs = min(self.max_num_active_reqs, limit)
-        log.info(
-            "epikv: each request holds at most %d tokens (%d blocks of %d); %d requests run at once",
-            self.epikv_cap,
-            self.epikv_cap_blocks,
-            block,
-            self.max_num_active_reqs,
+
+    # -- admission --------------------------------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        known = request.request_id in self.requests
+        super().add_request(request)
+        spec = self.epikv_spec
+        if known or spec is None or not spec.evicts:
+            return
+        try:
+            if request.resumable:
+                raise AdmissionError("resumable (streaming-input) sessions are not supported")
+            if request.prompt_token_ids is None:
+                raise AdmissionError("prompt embeddings are not supported")
+            params = request.sampling_params
+            plan = plan_request(
+                spec, request.num_prompt_tokens, request.max_tokens, params.extra_args if params else None
+            )
+            blocks = cdiv(plan.reserve or 0, self.epikv_block)
+            if blocks > self.epikv_usable_blocks:
+                raise AdmissionError(
+                    f"this request reserves {plan.reserve} tokens ({blocks} blocks of {self.epikv_block}), "
+                    f"more than the whole KV pool ({self.epikv_usable_blocks} blocks)"
+                )
+        except AdmissionError as err:
+            self.epikv_fail(request, str(err))
+            return
+        self.epikv_plans[request.request_id] = plan
+
+    def epikv_fail(self, request: Any, why: str) -> None:
+        """Finish ``request`` alone with vLLM's ``error`` finish; the output goes out with this step's."""
+        message = f"epikv: request {request.request_id}: {why}"
+        log.warning("%s", message)
+        counters = self.epikv_counters.get(request.request_id)
+        stats: dict[str, Any] = stats_of(counters) if counters else {}
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)  # from whichever queue
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            kv_transfer_params={KEY: {**stats, "error": message}},
+        )
+        self._epikv_failed.append((request.client_index, output))
+
+    def _preempt_request(self, request: Any, timestamp: float, drop_stale_output: bool = False) -> None:
+        plan = self.epikv_plans.get(request.request_id)
+        if plan is None or plan.cap is None:
+            super()._preempt_request(request, timestamp, drop_stale_output)
+            return
+        self.epikv_fail(  # the caller popped it from the running queue
+            request,
+            "preempted (a prefix-cache reset or a pause with running requests); an evicting request "
+            "cannot be re-prefilled from its compacted cache",
         )
 
+    def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
+        """Every finish passes here (EOS, length, stop strings, aborts, errors): nothing of the
+        request outlives it; its last counters go out with this step's outputs."""
+        self.epikv_plans.pop(request.request_id, None)
+        counters = self.epikv_counters.pop(request.request_id, None)
+        if counters is not None and self._epikv_final is not None:
+            self._epikv_final[request.request_id] = counters
+        return super()._free_request(request, delay_free_blocks)
+
+    # -- after each step ----------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM's update, plus each request's counters from the worker; a finished request's output
-        carries them as ``kv_transfer_params["epikv"]`` (no KV connector runs beside the plugin, and
-        vLLM hands that field through to ``RequestOutput`` and the OpenAI response)."""
-        report = getattr(model_runner_output, "epikv", None) or {}
+        """vLLM's update, plus: the worker's faults fail their requests alone; every output of a
+        planned request carries its counters as ``kv_transfer_params["epikv"]`` (so a request the
+        front end finishes, on a stop string, has them too); failed requests' outputs are added."""
         counters = self.epikv_counters
-        counters.update(report)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for req_id, values in (getattr(model_runner_output, "epikv", None) or {}).items():
+            if req_id in self.requests:
+                counters[req_id] = values
+        for req_id, why in (getattr(model_runner_output, "epikv_faults", None) or {}).items():
+            if (request := self.requests.get(req_id)) is not None:
+                self.epikv_fail(request, why)
+        self._epikv_final = {}
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            final = self._epikv_final
+        finally:
+            self._epikv_final = None
         for batch in outputs.values():
             for out in batch.outputs:
-                if out.finish_reason is None or out.request_id not in counters:
-                    continue
-                peak, evicted, compactions = counters.pop(out.request_id)
-                stats = {"peak_cache_tokens": peak, "evictions": evicted, "compactions": compactions}
-                out.kv_transfer_params = {**(out.kv_transfer_params or {}), "epikv": stats}
+                values = counters.get(out.request_id) or final.get(out.request_id)
+                if values is not None:
+                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), KEY: stats_of(values)}
+        for client, output in self._epikv_failed:
+            if client not in outputs:
+                outputs[client] = EngineCoreOutputs(outputs=[])
+            outputs[client].outputs.append(output)
+        self._epikv_failed.clear()
         return outputs
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().schedule(*args, **kwargs)
-        if self.epikv_cap and out.preempted_req_ids:
-            raise RuntimeError(
-                f"epikv: requests {sorted(out.preempted_req_ids)} were preempted; an evicting request "
-                "cannot be re-prefilled from its compacted cache (admission by K + tau should prevent this)"
-            )
-        return out

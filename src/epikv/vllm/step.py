@@ -1,19 +1,27 @@
-"""What the plugin does around each of vLLM's forward passes, inside the worker.
+"""What the plugin does around each of vLLM's forward passes, inside the worker, on a plain step batch
+(:class:`StepBatch`): this module knows no vLLM; :mod:`epikv.vllm.runner` reads vLLM's runner and
+hands it over.
 
 Before the forward (:meth:`EpiKVWorkerState.physical`): positions stay logical (RoPE sees true
 positions), while each row's attention length and the slots its new tokens are written to become
-physical (logical minus what the row has evicted); and every row's physical length is checked
-against its blocks, so a broken cap is a loud error, never a write into someone else's block.
+physical (logical minus what the row has evicted); a row that would pass its cap or its blocks is a
+fault of that request alone: its tokens are written nowhere and the request is failed by the
+scheduler, never a write into someone else's block and never the engine's death.
 
 After the forward (:meth:`EpiKVWorkerState.after_forward`): the new tokens' true positions are stored
 beside their slots, the policy observes the band layers' hidden states (vLLM's own aux hidden
-states), the books count the step, and each row that is due (held > K and tau steps since its last
-compaction: :meth:`RowBooks.due`) is compacted in place (:func:`epikv.vllm.compaction.compact`).
+states), the books count the step, and each row that is due (held > its K and tau steps since its
+last compaction: :meth:`RowBooks.due`) is compacted in place (:func:`epikv.vllm.compaction.compact`).
+Whatever goes wrong for a request there faults that request (or the decode batch it ran in), with
+one line naming the cause; the step goes on for every other row.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,8 +31,40 @@ from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import on_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import PagedView, SlotStore, compact
-from epikv.vllm.config import EpiKVSettings, cap_tokens, check_prompt_fits
+from epikv.vllm.config import EpiKVSettings, plan_request
 from epikv.vllm.requests import Requests
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the scheduler sent for the first time: ``prompt`` token count (None: embeddings),
+    ``cached`` prompt tokens already computed (prefix-cache hit), its ``max_tokens`` and extra args."""
+
+    req_id: str
+    prompt: int | None
+    cached: int
+    max_tokens: int | None
+    extra_args: Mapping[str, Any] | None
+
+
+@dataclass
+class StepBatch:
+    """One step's rows as the plugin needs them (n rows, T scheduled tokens): request ids, tokens
+    computed before this step, prompt lengths, tokens scheduled, query starts (n + 1,), physical
+    slots each row's blocks hold (``room``), logical positions (T,), the slots written (T,; after
+    the forward) and each request's block ids (for compaction)."""
+
+    ids: list[str]
+    computed: np.ndarray
+    prompts: np.ndarray
+    scheduled: np.ndarray
+    starts: np.ndarray
+    room: np.ndarray
+    positions: torch.Tensor
+    slots: torch.Tensor | None = None
+    blocks: Callable[[str], Sequence[int]] | None = None
 
 
 class EpiKVWorkerState:
@@ -32,90 +72,124 @@ class EpiKVWorkerState:
 
     def __init__(self, settings: EpiKVSettings, spec: CacheSpec, model: ModelInfo) -> None:
         self.settings, self.spec, self.model = settings, spec, model
-        self.cap = cap_tokens(spec)
+        self.cap = spec.cap_tokens(0)  # K + tau: what a request with a prompt of at most K holds
         hidden = spec.policy.needs().hidden_layers
         # aux hidden state i+1 is decoder layer i's output (hidden + residual), i.e. HF's layer output
         self.aux_layers = tuple(sorted({layer + 1 for layer in hidden}))
         self.requests = Requests(spec, model)
         self.store: SlotStore | None = None
         self.block_size = 0
-        # req_id -> (peak physical tokens, tokens evicted, compactions) after this step's forward
-        self.report: dict[str, tuple[int, int, int]] = {}
+        # req_id -> (peak physical tokens, tokens evicted, compactions, budget) after this step
+        self.report: dict[str, tuple[int, int, int, int | None]] = {}
+        self.faults: dict[str, str] = {}  # req_id -> why, this step (the scheduler fails them)
         self._trace = open(settings.trace, "a") if settings.trace else None
 
     @property
     def evicts(self) -> bool:
         return self.spec.budget is not None
 
-    # -- request lifecycle ------------------------------------------------------------------------
-    def before_update(self, out: Any) -> None:
-        preempted = set(out.preempted_req_ids or ()) | set(out.scheduled_cached_reqs.resumed_req_ids)
-        if self.evicts and preempted:
-            raise RuntimeError(
-                f"epikv: requests {sorted(preempted)} were preempted or resumed; an evicting request "
-                "cannot be re-prefilled from its compacted cache"
-            )
-        for req_id in out.finished_req_ids:
-            self.requests.remove(req_id)
+    def fault(self, req_id: str, why: str) -> None:
+        """This request cannot go on: forget it here; the scheduler finishes it with an error."""
+        log.warning("epikv: request %s: %s", req_id, why)
+        self.faults[req_id] = why
+        self.requests.remove(req_id)
 
-    def after_update(self, out: Any) -> None:
-        for new in out.scheduled_new_reqs:
-            prompt = len(new.prompt_token_ids or ())
-            check_prompt_fits(self.spec, prompt)
-            self.requests.add(new.req_id, prompt)
+    def take(self) -> tuple[dict[str, tuple[int, int, int, int | None]], dict[str, str]]:
+        """This step's counters and faults, for the runner's output (then cleared)."""
+        report, faults = self.report, self.faults
+        self.report, self.faults = {}, {}
+        return report, faults
+
+    # -- request lifecycle ------------------------------------------------------------------------
+    def before_update(self, finished: Sequence[str], preempted: Sequence[str]) -> None:
+        """Forget finished requests; a preempted or resumed one (the scheduler fails those under an
+        evicting policy) is faulted if it is still here."""
+        for req_id in finished:
+            self.requests.remove(req_id)
+        for req_id in preempted:
+            if req_id in self.requests.records:
+                self.fault(req_id, "preempted; an evicting request cannot be re-prefilled")
+
+    def after_update(self, new: Sequence[NewRequest]) -> None:
+        if not self.evicts:
+            return
+        for req in new:
+            if req.prompt is None:
+                self.fault(req.req_id, "prompt embeddings are not supported")
+                continue
+            try:
+                plan = plan_request(self.spec, req.prompt, req.max_tokens, req.extra_args)
+            except ValueError as err:
+                self.fault(req.req_id, str(err))
+                continue
+            self.requests.add(req.req_id, req.prompt, plan, req.cached)
 
     # -- before the forward -----------------------------------------------------------------------
-    def physical(self, runner: Any, scheduled: np.ndarray) -> None:
-        """Physical attention lengths and slots for this step's rows (positions stay logical)."""
-        batch = runner.input_batch
-        n = batch.num_reqs
-        ids = batch.req_ids[:n]
-        dropped = np.array([self.requests.dropped[r] for r in ids], dtype=np.int64)
-        held_after = batch.num_computed_tokens_cpu[:n] - dropped + scheduled[:n]
-        room = batch.block_table[0].num_blocks_per_row[:n].astype(np.int64) * self.block_size
-        if (held_after > room).any():
-            row = int(np.argmax(held_after > room))
-            raise RuntimeError(
-                f"epikv: request {ids[row]} would hold {held_after[row]} tokens in {room[row]} slots; "
-                "its cap of K + tau was broken"
+    def physical(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: tokens evicted so far (what attention lengths and slots subtract), and whether
+        the row is faulted (its tokens must be written nowhere)."""
+        n = len(batch.ids)
+        dropped = np.zeros(n, dtype=np.int64)
+        caps = np.zeros(n, dtype=np.int64)
+        bad = np.zeros(n, dtype=bool)
+        for i, req_id in enumerate(batch.ids):
+            record = self.requests.records.get(req_id)
+            if record is None:
+                bad[i] = True
+            else:
+                dropped[i], caps[i] = self.requests.dropped[req_id], record.cap
+        held_after = batch.computed - dropped + batch.scheduled
+        over = ~bad & (held_after > np.minimum(batch.room, caps))
+        for i in np.flatnonzero(over):
+            self.fault(
+                batch.ids[i],
+                f"would hold {held_after[i]} tokens, past its cap of {caps[i]} (or its "
+                f"{batch.room[i]} reserved slots)",
             )
-        if not dropped.any():
-            return
-        total = int(scheduled[:n].sum())
-        per_row = torch.from_numpy(dropped)
-        runner.seq_lens[:n] -= per_row.to(runner.seq_lens.dtype)
-        per_token = torch.from_numpy(dropped[runner.req_indices.np[:total]])
-        physical = runner.positions[:total] - per_token
-        batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], physical)
+        return dropped, bad | over
 
     # -- after the forward ------------------------------------------------------------------------
-    def after_forward(self, runner: Any, aux: list[torch.Tensor] | None) -> None:
+    def after_forward(self, batch: StepBatch, aux: list[torch.Tensor] | None) -> None:
         """Store the new tokens' positions, let the policy observe, count, and compact due rows."""
-        assert self.store is not None
-        batch = runner.input_batch
-        n = batch.num_reqs
-        ids = list(batch.req_ids[:n])
-        starts = runner.query_start_loc.np[: n + 1].astype(np.int64)
+        n, starts = len(batch.ids), batch.starts
+        if not self.evicts:  # ``full``: nothing to observe; the counters are the lengths
+            held = (batch.computed + batch.scheduled).tolist()
+            self.report.update((r, (h, 0, 0, None)) for r, h in zip(batch.ids, held, strict=True))
+            return
+        assert self.store is not None and batch.slots is not None
         total = int(starts[n])
-        slots = batch.block_table[0].slot_mapping.gpu[:total].long()
-        positions = runner.positions[:total]
-        self.store.write(slots, positions)
+        slots, positions = batch.slots[:total], batch.positions[:total]
+        live = slots >= 0
+        self.store.write(slots[live], positions[live])
         hidden = dict(zip([a - 1 for a in self.aux_layers], aux or [], strict=True))
-        computed, prompts = batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n]
-        decode = [i for i in range(n) if computed[i] >= prompts[i]]
-        self.report = {}
-        for i in range(n):
-            if computed[i] < prompts[i]:
-                lo, hi = int(starts[i]), int(starts[i + 1])
-                done = computed[i] + hi - lo >= prompts[i]
-                self._prefill(runner, ids[i], hidden, slots[lo:hi], positions[lo:hi], hi - 1, done)
+        records = self.requests.records
+        decode = []
+        for i, req_id in enumerate(batch.ids):
+            if req_id not in records:
+                continue
+            if batch.computed[i] >= batch.prompts[i]:
+                decode.append(i)
+                continue
+            lo, hi = int(starts[i]), int(starts[i + 1])
+            done = batch.computed[i] + hi - lo >= batch.prompts[i]
+            try:
+                self._prefill(batch, req_id, hidden, slots[lo:hi], positions[lo:hi], hi - 1, done)
+            except Exception as err:  # this request's fault, not the engine's
+                log.exception("epikv: prefill of request %s failed", req_id)
+                self.fault(req_id, f"prefill failed: {type(err).__name__}: {err}")
         if decode:
+            ids = [batch.ids[i] for i in decode]
             last = torch.from_numpy(starts[1:][decode] - 1)
-            self._decode(runner, [ids[i] for i in decode], hidden, slots[last], positions[last], last)
+            try:
+                self._decode(batch, ids, hidden, slots[last], positions[last], last)
+            except Exception as err:  # the batch's rows share one state: each fails alone
+                log.exception("epikv: a decode step of %d requests failed", len(ids))
+                for req_id in ids:
+                    self.fault(req_id, f"decode step failed: {type(err).__name__}: {err}")
 
     def _prefill(
         self,
-        runner: Any,
+        batch: StepBatch,
         req_id: str,
         hidden: dict[int, torch.Tensor],
         slots: torch.Tensor,
@@ -137,13 +211,13 @@ class EpiKVWorkerState:
         record.books.grow([q], q, decode=False)
         record.books.seen = record.books.seen + q
         if done and record.books.due(self.spec.interval):
-            record.state = self._compact(runner, [req_id], record.books, record.state, [0])
+            record.state = self._compact(batch, [req_id], record.books, record.state, [0])
         books = record.books
-        self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0])
+        self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
 
     def _decode(
         self,
-        runner: Any,
+        batch: StepBatch,
         ids: list[str],
         hidden: dict[int, torch.Tensor],
         slots: torch.Tensor,
@@ -166,20 +240,29 @@ class EpiKVWorkerState:
         books.since = [s + 1 for s in books.since]
         due = books.due(self.spec.interval)
         if due:
-            state = self._compact(runner, ids, books, state, due)
+            state = self._compact(batch, ids, books, state, due)
         self.requests.set_state(state)
-        self.report.update(
-            zip(ids, zip(books.peak, books.evicted, books.compactions, strict=True), strict=True)
-        )
+        counters = zip(books.peak, books.evicted, books.compactions, books.budgets, strict=True)
+        self.report.update(zip(ids, counters, strict=True))
 
-    def _compact(self, runner: Any, ids: list[str], books: Any, state: Any, rows: list[int]) -> Any:
-        """Compact rows ``rows`` of a batch (``ids`` its request ids); returns the batch's state."""
-        assert self.store is not None and self.spec.budget is not None
+    def _compact(self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int]) -> Any:
+        """Compact rows ``rows`` of a batch (``ids`` its request ids); returns the batch's state. Rows
+        of each budget are scored in one call, so a policy always sees one K (as in epikv's cache)."""
+        budgets = books.budgets
+        for k in sorted({budgets[r] for r in rows}):
+            group = [r for r in rows if budgets[r] == k]
+            state = self._compact_group(batch, ids, books, state, group, k)
+        return state
+
+    def _compact_group(
+        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int], budget: int
+    ) -> Any:
+        assert self.store is not None and batch.blocks is not None
         held = [books.held[r] for r in rows]
         width, block = max(held), self.block_size
         slot_rows = []
         for r in rows:
-            blocks = torch.tensor(runner.requests[ids[r]].block_ids[0], dtype=torch.long)
+            blocks = torch.tensor(list(batch.blocks(ids[r])), dtype=torch.long)
             row = (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:width]
             slot_rows.append(torch.cat([row, row[:1].expand(width - row.shape[0])]))
         view = PagedView(
@@ -188,7 +271,7 @@ class EpiKVWorkerState:
             torch.tensor(held),
             books.prompt_len[rows],
             books.seen[rows],
-            self.spec.budget,
+            budget,
         )
         result, state = on_rows(
             state, rows, len(books), lambda part: compact(self.store, self.spec, part, view)

@@ -1,0 +1,103 @@
+"""Every vLLM name the plugin relies on, written once: the supported version, each method it overrides
+or wraps (with the leading parameters it relies on), and each attribute or field it reads.
+``tests/vllm/test_contract.py`` iterates these against the classes actually subclassed and wrapped,
+and ``tests/vllm/test_engine.py`` reads the instance attributes off a live engine, so a vLLM release
+that moves any of them fails a test, not a server. Imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+VLLM_SERIES = "0.32."  # the private runner and scheduler methods overridden are pinned to this series
+
+# class (module:qualname) -> {method: the leading parameters the override or wrapper relies on}
+METHODS: dict[str, dict[str, list[str]]] = {
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner": {
+        "__init__": ["self", "vllm_config", "device"],
+        "_update_states": ["self", "scheduler_output"],
+        "_prepare_inputs": ["self", "scheduler_output", "num_scheduled_tokens"],
+        "execute_model": ["self", "scheduler_output", "intermediate_tensors"],
+        "sample_tokens": ["self", "grammar_output"],
+        "get_kv_cache_spec": ["self"],
+        "initialize_kv_cache": ["self", "kv_cache_config"],
+        "_get_eagle3_aux_layers_from_config": ["self"],
+    },
+    "vllm.v1.worker.cpu_worker:CPUWorker": {"init_device": ["self"]},
+    "vllm.v1.worker.block_table:MultiGroupBlockTable": {
+        "compute_slot_mapping": ["self", "num_reqs", "query_start_loc", "positions"],
+    },
+    "vllm.v1.core.sched.scheduler:Scheduler": {
+        "__init__": ["self", "vllm_config", "kv_cache_config"],
+        "add_request": ["self", "request"],
+        "update_from_output": ["self", "scheduler_output", "model_runner_output"],
+        "_preempt_request": ["self", "request", "timestamp", "drop_stale_output"],
+        "_free_request": ["self", "request", "delay_free_blocks"],
+        "finish_requests": ["self", "request_ids", "finished_status"],
+    },
+    "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager": {
+        "get_num_blocks_to_allocate": ["self", "request_id", "num_tokens"],
+        "allocate_new_blocks": ["self", "request_id", "num_tokens", "num_tokens_main_model"],
+        "cache_blocks": ["self", "request", "num_tokens"],
+    },
+    "vllm.v1.engine.input_processor:InputProcessor": {"process_inputs": ["self"]},
+    "vllm.v1.engine.output_processor:OutputProcessor": {
+        "process_outputs": ["self", "engine_core_outputs"],
+        "_update_stats_from_finished": ["self", "req_state", "finish_reason"],
+        "abort_requests": ["self", "request_ids", "internal"],
+    },
+    "vllm.v1.engine.async_llm:AsyncLLM": {"__init__": ["self", "vllm_config"]},
+    "vllm.v1.engine.llm_engine:LLMEngine": {"__init__": ["self", "vllm_config"]},
+    "vllm.entrypoints.generate.beam_search.offline:BeamSearchOfflineMixin": {"beam_search": ["self"]},
+    "vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin": {"beam_search": ["self"]},
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat": {
+        "chat_completion_stream_generator": ["self", "request", "result_generator"],
+    },
+}
+
+# dataclass / struct -> the fields the plugin reads or writes
+FIELDS: dict[str, set[str]] = {
+    "vllm.v1.core.sched.output:SchedulerOutput": {
+        "preempted_req_ids",
+        "finished_req_ids",
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+    },
+    "vllm.v1.core.sched.output:CachedRequestData": {"resumed_req_ids"},
+    "vllm.v1.core.sched.output:NewRequestData": {
+        "req_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "num_computed_tokens",
+    },
+    "vllm.v1.engine:EngineCoreOutput": {"request_id", "finish_reason", "kv_transfer_params"},
+    "vllm.v1.engine:EngineCoreOutputs": {"outputs"},
+    "vllm.v1.worker.gpu_model_runner:ExecuteModelState": {"aux_hidden_states"},
+}
+
+# attributes of live objects (checked on a running engine): the runner, its input batch, the
+# input batch's first block table, a scheduler request, and the scheduler
+RUNNER_ATTRS = (
+    "seq_lens",
+    "positions",
+    "query_start_loc",
+    "req_indices",
+    "use_aux_hidden_state_outputs",
+    "execute_model_state",
+    "input_batch",
+    "requests",
+    "compilation_config",
+    "model",
+)
+INPUT_BATCH_ATTRS = ("num_reqs", "req_ids", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table")
+BLOCK_TABLE_ATTRS = ("num_blocks_per_row", "slot_mapping")
+REQUEST_ATTRS = (
+    "request_id",
+    "resumable",
+    "prompt_token_ids",
+    "num_prompt_tokens",
+    "max_tokens",
+    "sampling_params",
+    "client_index",
+    "status",
+)
+SCHEDULER_ATTRS = ("requests", "running", "kv_cache_manager")

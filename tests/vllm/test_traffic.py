@@ -1,0 +1,252 @@
+"""The plugin under an operator's traffic (in-process engine, float32, eager): requests joining and
+aborted mid-run, a forced preemption, per-request budgets, long prompts, reservation admission,
+stop strings, and faults. Each request that goes wrong fails alone; the others give their solo
+tokens; the engine serves afterwards; no per-request entry outlives its request.
+
+Tests that build their own engine come last: closing an engine tears down vLLM's process-wide groups,
+so the module's engine is not used after one."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import close, generate, make_llm, tokens, worker_state
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.utils.math_utils import cdiv
+
+import epikv.vllm
+from epikv.vllm.config import BUDGET_ARG
+
+K = 48  # streaming: every step over K evicts one token
+
+
+def params(n: int, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
+
+
+def core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def drive(llm, arrivals, aborts=None, on_step=None):
+    """Step the engine by hand: ``arrivals[step]`` = [(id, prompt ids, params)], ``aborts[step]`` = [id];
+    returns each finished request's final output by id."""
+    engine, aborts, done, step = llm.llm_engine, aborts or {}, {}, 0
+    while True:
+        for rid, prompt, p in arrivals.get(step, []):  # token ids, or a processed EngineCoreRequest
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt, p
+            )
+        if aborts.get(step):
+            engine.abort_request(aborts[step])
+        if on_step is not None:
+            on_step(step)
+        if step > max(arrivals) and not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+
+
+def assert_nothing_left(llm):
+    """After one more engine step (which hands the worker the last finished ids), no request is known
+    to the scheduler's books, the worker's books or the front end's counters."""
+    core(llm).step()
+    scheduler = core(llm).scheduler
+    assert scheduler.epikv_plans == {} and scheduler.epikv_counters == {}
+    state = worker_state(llm)
+    assert state.requests.records == {} and state.requests.dropped == {}
+    assert llm.llm_engine.output_processor.epikv_latest.stats == {}
+
+
+@pytest.fixture(scope="module")
+def llm(embedded):
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("streaming", K))
+    yield llm
+    close(llm)
+
+
+@pytest.fixture(scope="module")
+def solo(llm, embedded):
+    """Each prompt's tokens alone, 80 new tokens."""
+    return [tokens(generate(llm, [p], 80))[0] for p in embedded["prompts"]]
+
+
+def test_requests_joining_and_aborted_mid_run_leave_the_others_their_solo_tokens(llm, embedded, solo):
+    p = embedded["prompts"]
+    arrivals = {0: [("a", p[0], params(80)), ("c", p[2], params(80))], 7: [("b", p[1], params(80))]}
+    arrivals[30] = [("d", p[3], params(80))]
+    done = drive(llm, arrivals, aborts={20: ["c"]})
+    assert sorted(done) == ["a", "b", "d"]  # an aborted request has no final output here
+    assert [list(done[r].outputs[0].token_ids) for r in "abd"] == [solo[0], solo[1], solo[3]]
+    assert all(done[r].kv_transfer_params["epikv"]["evictions"] > 0 for r in "abd")
+    assert_nothing_left(llm)
+
+
+def test_a_forced_preemption_fails_the_running_requests_alone_and_the_engine_serves_on(llm, embedded, solo):
+    p = embedded["prompts"]
+
+    def reset(step):
+        if step == 12:  # the weight-sync path: every running request is preempted
+            assert core(llm).scheduler.reset_prefix_cache(reset_running_requests=True)
+
+    done = drive(llm, {0: [("a", p[0], params(80)), ("b", p[1], params(80))]}, on_step=reset)
+    for r in "ab":
+        assert done[r].outputs[0].finish_reason == "error"
+        assert "preempted" in done[r].kv_transfer_params["epikv"]["error"]
+    assert tokens(generate(llm, [p[2]], 80))[0] == solo[2]  # still serving, exactly
+    assert_nothing_left(llm)
+
+
+def test_a_fault_in_one_requests_step_fails_that_request_alone(llm, embedded, solo, monkeypatch):
+    state = worker_state(llm)
+    p = embedded["prompts"]
+    bad = len(p[1])
+    assert bad not in (len(p[0]), len(p[2]))
+    prefill = type(state)._prefill
+
+    def broken(self, batch, req_id, *args):
+        if self.requests.records[req_id].books.prompt_len[0] == bad:
+            raise RuntimeError("a fault for the test")
+        return prefill(self, batch, req_id, *args)
+
+    monkeypatch.setattr(type(state), "_prefill", broken)
+    out = generate(llm, p[:3], 80)
+    monkeypatch.undo()
+    assert out[1].outputs[0].finish_reason == "error"
+    assert "prefill failed: RuntimeError: a fault for the test" in out[1].kv_transfer_params["epikv"]["error"]
+    assert [tokens([o])[0] for o in (out[0], out[2])] == [solo[0], solo[2]]
+    assert tokens(generate(llm, [p[1]], 80))[0] == solo[1]
+    assert_nothing_left(llm)
+
+
+def test_a_request_the_front_end_did_not_check_is_refused_by_the_scheduler_alone(llm, embedded, solo):
+    from vllm.v1.engine import EngineCoreRequest
+
+    processor, tasks = llm.llm_engine.input_processor, llm.llm_engine.get_supported_tasks()
+    good = processor.process_inputs(
+        "x", TokensPrompt(prompt_token_ids=embedded["prompts"][0]), params(80), tasks
+    )
+    assert isinstance(good, EngineCoreRequest)
+    processor._epikv_spec = None  # as if it came another way: the front end's check is skipped
+    try:
+        prompt = TokensPrompt(prompt_token_ids=embedded["prompts"][3])
+        bad = processor.process_inputs("y", prompt, params(80, extra_args={BUDGET_ARG: 999}), tasks)
+    finally:
+        del processor._epikv_spec
+    done = drive(llm, {0: [("x", good, good.params), ("y", bad, bad.params)]})
+    assert done["y"].outputs[0].finish_reason == "error" and list(done["y"].outputs[0].token_ids) == []
+    assert "epikv_budget=999" in done["y"].kv_transfer_params["epikv"]["error"]
+    assert list(done["x"].outputs[0].token_ids) == solo[0]
+    assert_nothing_left(llm)
+
+
+def test_a_per_request_budget_bounds_that_request_and_a_bad_one_is_refused(llm, embedded):
+    from vllm.exceptions import VLLMValidationError
+
+    p = embedded["prompts"][0]
+    small, default = generate_with(llm, p, {BUDGET_ARG: 40}), generate_with(llm, p, None)
+    # its own cap: max(P, K + tau), tau = 1 (a prompt longer than K is held whole once)
+    assert small["budget"] == 40 and small["peak_cache_tokens"] == max(len(p), 41)
+    assert default["budget"] == K and default["peak_cache_tokens"] == max(len(p), K + 1)
+    assert small["evictions"] == default["evictions"] + (K - 40)
+    for value in (0, K + 1, "many"):
+        with pytest.raises(VLLMValidationError, match=f"epikv_budget={value!r}"):
+            generate_with(llm, p, {BUDGET_ARG: value})
+    assert_nothing_left(llm)
+
+
+def generate_with(llm, prompt, extra):
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(60, extra_args=extra), use_tqdm=False)
+    return out[0].kv_transfer_params["epikv"]
+
+
+def test_a_prompt_longer_than_k_plus_tau_runs_bounded_by_its_own_cap(llm):
+    prompt = [(7 * i) % 900 + 100 for i in range(150)]  # 150 tokens > K + tau = 49
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(20), use_tqdm=False)[0]
+    stats = out.kv_transfer_params["epikv"]
+    assert len(out.outputs[0].token_ids) == 20 and out.outputs[0].finish_reason == "length"
+    # held whole by the prefill (150), compacted to K right after, then K + 1 at most
+    assert stats["peak_cache_tokens"] == 150 and stats["evictions"] == 150 + 19 - K
+    assert_nothing_left(llm)
+
+
+def test_a_stop_string_finish_carries_the_counters_of_its_last_step(llm, embedded):
+    p = embedded["prompts"][1]
+    free = llm.generate([TokensPrompt(prompt_token_ids=p)], params(60), use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2 :][:12]  # a string the greedy answer reaches mid-way
+    out = llm.generate([TokensPrompt(prompt_token_ids=p)], params(60, stop=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) < 60
+    n = len(out.outputs[0].token_ids)
+    stats = out.kv_transfer_params["epikv"]
+    # the last token fed back is the (n-1)-th generated one: P + n - 1 tokens seen, K held at most + 1
+    assert stats["evictions"] == len(p) + n - 1 - K and stats["peak_cache_tokens"] == K + 1
+    assert_nothing_left(llm)
+
+
+def test_the_pinned_attributes_are_on_a_live_engine(llm, embedded):
+    from epikv.vllm import pins
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    scheduler = core(llm).scheduler
+    llm.llm_engine.add_request("live", TokensPrompt(prompt_token_ids=embedded["prompts"][0]), params(2))
+    request = scheduler.requests["live"]
+    for obj, names in [
+        (runner, pins.RUNNER_ATTRS),
+        (runner.input_batch, pins.INPUT_BATCH_ATTRS),
+        (runner.input_batch.block_table[0], pins.BLOCK_TABLE_ATTRS),
+        (request, pins.REQUEST_ATTRS),
+        (scheduler, pins.SCHEDULER_ATTRS),
+    ]:
+        missing = [n for n in names if not hasattr(obj, n)]
+        assert not missing, f"{type(obj).__name__} lacks {missing}"
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert_nothing_left(llm)
+
+
+def test_chunked_prompts_beside_decode_rows_give_each_request_its_solo_tokens(embedded, solo):
+    llm = make_llm(embedded["folder"], max_num_batched_tokens=16, **epikv.vllm.engine_kwargs("streaming", K))
+    state, seen = worker_state(llm), []
+    after_forward = state.after_forward
+
+    def spy(batch, aux):
+        prefill = batch.computed < batch.prompts
+        seen.append((bool(prefill.any() and (~prefill).any()), bool((prefill & (batch.computed > 0)).any())))
+        return after_forward(batch, aux)
+
+    state.after_forward = spy
+    p = embedded["prompts"]
+    arrivals = {0: [("a", p[0], params(80))], 5: [("b", p[1], params(80)), ("c", p[2], params(80))]}
+    arrivals[9] = [("d", p[3], params(80))]
+    done = drive(llm, arrivals)
+    assert [list(done[r].outputs[0].token_ids) for r in "abcd"] == solo
+    assert any(m for m, _ in seen) and any(c for _, c in seen)  # mixed steps, and later prompt chunks
+    assert_nothing_left(llm)
+    close(llm)
+
+
+def test_admission_charges_each_request_what_it_can_hold_not_k_plus_tau(embedded):
+    blocks, budget = 64, 256
+    llm = make_llm(embedded["folder"], blocks=blocks, **epikv.vllm.engine_kwargs("streaming", budget))
+    scheduler = core(llm).scheduler
+    running, held, schedule = [], [], scheduler.schedule
+
+    def watch(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        assert not out.preempted_req_ids
+        running.append(len(scheduler.running))
+        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        held.append({r: len(b) for r, b in manager.req_to_blocks.items()})
+        return out
+
+    scheduler.schedule = watch
+    prompts = [embedded["prompts"][i % 4] for i in range(16)]
+    out = generate(llm, prompts, 24)
+    close(llm)
+    reserve = {cdiv(len(p) + 24, 32) for p in prompts}
+    assert all(n in reserve for step in held for n in step.values())  # min(cap, P + max_tokens)
+    assert all(sum(step.values()) <= blocks - 1 for step in held)
+    assert max(running) == 16  # charged K + tau = 257 tokens (9 blocks) each, only 63 // 9 = 7 would run
+    assert all(o.outputs[0].finish_reason == "length" for o in out)
