@@ -191,7 +191,7 @@ def test_the_pinned_attributes_are_on_a_live_engine(llm, embedded):
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     scheduler = core(llm).scheduler
     llm.llm_engine.add_request("live", TokensPrompt(prompt_token_ids=embedded["prompts"][0]), params(2))
-    request = scheduler.requests["live"]
+    request = next(r for rid, r in scheduler.requests.items() if rid.startswith("live"))  # internal id
     for obj, names in [
         (runner, pins.RUNNER_ATTRS),
         (runner.input_batch, pins.INPUT_BATCH_ATTRS),
