@@ -26,6 +26,7 @@ def server(embedded, tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", embedded["folder"],
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
         "--max-model-len", "4096", "--served-model-name", "smollm2", "--enable-prefix-caching",
+        "--block-size", "32",
         "--additional-config", json.dumps({"epikv": {"policy": "epikv", "budget": 128}}),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
@@ -112,7 +113,7 @@ def test_stop_strings_and_streams_carry_their_counters(server):
 
 
 def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(server):
-    system = "You are a careful assistant. " * 10  # a few full blocks of 16; Seg-Q@128 protects it
+    system = "You are a careful assistant. " * 10  # two full blocks of 32; Seg-Q@128 protects it
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime."}]
     body = {"model": "smollm2", "max_tokens": 40, "temperature": 0, "messages": ask}
     hits = [metric(server, "vllm:prefix_cache_hits_total")]
@@ -120,7 +121,7 @@ def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(serve
     for _ in range(2):
         answers.append(httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json())
         hits.append(metric(server, "vllm:prefix_cache_hits_total"))
-    assert hits[2] - hits[1] >= 48  # the second request found the prompt's full blocks
+    assert hits[2] - hits[1] >= 64  # the second request found the prompt's full blocks
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
 
 
