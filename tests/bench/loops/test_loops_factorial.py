@@ -98,7 +98,11 @@ def test_main_merges_documents_and_writes_json_and_markdown(tmp_path):
     out = tmp_path / "fact.json"
     main([*map(str, paths), "--cells", "a,b,c,d", "--gap", "a", "c", "--pair", "d", "a", "--out", str(out)])
     found = json.loads(out.read_text())
-    assert found["two_by_two"]["counts"] == [[3, 2], [2, 2]]
+    assert found["two_by_two"]["loop"]["counts"] == [[3, 2], [2, 2]]
+    assert found["two_by_two"]["near_loop"]["counts"] == [[3, 2], [2, 2]]  # no numbers: the same loops
     assert found["pairs"][0]["loop"]["a_only"] == 1 and found["pairs"][0]["both"]["loop"] == 1
     table = out.with_suffix(".md").read_text()
     assert "| d vs a (loop) | 4 | 2 / 3 | 1 / 2 | 1 |" in table
+    assert (
+        "near_loop on the 4 problems all four cells ran:" in table and "| interaction | +25.00" in table
+    )  # (d - c) - (b - a): 0, 0, 1, 0

@@ -114,27 +114,24 @@ def first_eviction_gap(problems: list[dict[str, Any]], cell: str, other: str) ->
 
 
 def markdown(found: dict[str, Any]) -> str:
-    """The 2x2's counts and effects, the first-eviction gaps and the pairs as markdown."""
-    design = found["two_by_two"]
-    lines = [f"{design['prop']} on the {design['problems']} problems all four cells ran:", ""]
-    lines += ["| | " + " | ".join(design["columns"]) + " |", "|---|---|---|"]
-    for level, cells, counts in zip(design["rows"], design["cells"], design["counts"], strict=True):
-        lines.append(
-            f"| {level} | " + " | ".join(f"{c}: {n}" for c, n in zip(cells, counts, strict=True)) + " |"
-        )
-    lines += [
-        "",
-        "| effect | points [95% bootstrap] | positive / negative | sign test p |",
-        "|---|---|---|---|",
-    ]
-    for name, e in design["effects"].items():
-        lines.append(
-            f"| {name} | {e['points']:+.2f} [{e['ci'][0]:+.2f}, {e['ci'][1]:+.2f}] | "
-            f"{e['positive']} / {e['negative']} | {e['p_value']:.2g} |"
-        )
+    """The 2x2s (one per detector): counts and effects; the first-eviction gaps and the pairs."""
+    lines = []
+    for design in found["two_by_two"].values():
+        lines += [f"{design['prop']} on the {design['problems']} problems all four cells ran:", ""]
+        lines += ["| | " + " | ".join(design["columns"]) + " |", "|---|---|---|"]
+        for level, cells, counts in zip(design["rows"], design["cells"], design["counts"], strict=True):
+            named = " | ".join(f"{c}: {n}" for c, n in zip(cells, counts, strict=True))
+            lines.append(f"| {level} | {named} |")
+        lines += ["", "| effect | points [95% bootstrap] | positive / negative | sign test p |"]
+        lines.append("|---|---|---|---|")
+        for name, e in design["effects"].items():
+            lines.append(
+                f"| {name} | {e['points']:+.2f} [{e['ci'][0]:+.2f}, {e['ci'][1]:+.2f}] | "
+                f"{e['positive']} / {e['negative']} | {e['p_value']:.2g} |"
+            )
+        lines.append("")
     header = "| first eviction: cell vs other | problems | neither / only cell / only other / both "
     lines += [
-        "",
         header + "| cell later / earlier / same | cell - other, quartiles |",
         "|---|---|---|---|---|",
     ]
@@ -186,7 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--cells needs four cells, got {args.cells!r}")
     found = {
         "results": args.results,
-        "two_by_two": two_by_two(problems, [c[:2], c[2:]], args.rows.split(","), args.columns.split(",")),
+        "two_by_two": {
+            prop: two_by_two(problems, [c[:2], c[2:]], args.rows.split(","), args.columns.split(","), prop)
+            for prop in ("loop", "near_loop")
+        },
         "first_eviction": [first_eviction_gap(problems, cell, other) for cell, other in args.gap],
         "pairs": [_pair(problems, cell, reference) for cell, reference in args.pair],
     }
