@@ -171,7 +171,7 @@ def test_left_before_eviction_is_a_departure_from_full_while_the_cache_was_compl
     assert not left_before_eviction(facts(_generation(LOOPING, 25), None, LOOPS))  # no full to leave
 
 
-def test_a_cell_is_flagged_shifted_over_a_quarter_and_the_table_says_so():
+def test_a_cell_is_flagged_shifted_over_half_and_the_table_says_so():
     full = _generation(PREFIX + list(range(200, 230)), None, finish="eos")
     early, late = _generation(LOOPING, 25), _generation(LOOPING, 12)  # left at 20: before / after
     plan = [
@@ -179,13 +179,13 @@ def test_a_cell_is_flagged_shifted_over_a_quarter_and_the_table_says_so():
         {"label": "h2o", "kind": "peak", "target": 9, "budget": 8, "cell": "h2o@8"},
         {"label": "tova", "kind": "peak", "target": 9, "budget": 8, "cell": "tova@8"},
     ]
-    # h2o: 1 of 4 left before any eviction (25%, not over the limit); tova: 2 of 4 (50%).
-    h2o = [early, late, late, full]
-    tova = [early, early, late, {"skipped": "too long"}, full]
+    # h2o: 2 of 4 left before any eviction (half: not over the limit); tova: 3 of 4 (75%).
+    h2o = [early, late, early, full]
+    tova = [early, early, late, {"skipped": "too long"}, early]
     problems = [
         _problem(
             i,
-            {"full": full, "h2o@8": h2o[i % 4], "tova@8": tova[i]}
+            {"full": full, "h2o@8": h2o[i], "tova@8": tova[i]}
             if i < 4
             else {"full": full, "tova@8": tova[i]},
         )
@@ -193,11 +193,11 @@ def test_a_cell_is_flagged_shifted_over_a_quarter_and_the_table_says_so():
     ]
     summary = summarize_loops(problems, plan, ["full"])
     rows = summary["rows"]["d"]
-    assert rows["h2o@8"]["left_before_eviction"]["successes"] == 1
+    assert rows["h2o@8"]["left_before_eviction"]["successes"] == 2
     assert rows["h2o@8"]["left_before_eviction"]["n"] == 4 and not rows["h2o@8"]["shifted"]
-    assert rows["tova@8"]["left_before_eviction"]["successes"] == 2
+    assert rows["tova@8"]["left_before_eviction"]["successes"] == 3
     assert rows["tova@8"]["left_before_eviction"]["n"] == 4 and rows["tova@8"]["shifted"]  # skip left out
-    assert not rows["full"]["shifted"] and shifted_cells(summary) == {"tova@8": 0.5}
+    assert not rows["full"]["shifted"] and shifted_cells(summary) == {"tova@8": 0.75}
     table = markdown(summary)
-    assert "2/4 [15, 85]% **shifted**" in table and "1/4 [5, 70]% |" in table
+    assert "3/4 [30, 95]% **shifted**" in table and "2/4 [15, 85]% |" in table
     assert "**Shifted** (tova)" in table and "**Shifted** (h2o" not in table

@@ -28,10 +28,11 @@ RATES = ("correct", "loop", "near_loop", "cap_hit", "bound", "diverged")
 TESTED = ("correct", "loop", "near_loop", "cap_hit")
 # A cell is flagged as numerically shifted when more than this share of its generations leave
 # `full`'s trace before any eviction (issue 33). Until its first eviction a cell's cache is `full`'s,
-# so in exact arithmetic the share is 0: it is 0 in every float32 cell of the study; in bf16 batch
-# rounding gives 4 to 20% in the study's 18 own cells, and the bf16 schedule cells, run apart,
-# gave 70 to 88%. A quarter is above every unshifted cell and far below every shifted one.
-SHIFT_LIMIT = 0.25
+# so in exact arithmetic the share is 0: it is 0 in every float32 cell of the study. In bf16 batch
+# rounding gives the study's 18 own cells 4 to 20% pooled and up to 25% on one dataset (epikv@320 on
+# MATH-500, 15 of 59); the bf16 schedule cells, run apart, gave 69 to 90% on each dataset. Half is
+# far from both, and reads plainly: most of the cell's generations left `full` before evicting.
+SHIFT_LIMIT = 0.5
 
 
 def loop_timing(onset: int, first_evicted: int | None) -> tuple[str, int | None]:
