@@ -143,6 +143,8 @@ def test_shards_split_cells_and_a_last_run_assembles(tiny_pair, problems_file, t
     first = loops.run_loops(dataclasses.replace(config, shard="1/2"), *tiny_pair)
     assert first["results"]["batches"] == {"total": 2, "complete": 0} and calls == ["streaming"]
     assert first["results"]["problems"] == []  # no batch has every cell yet
+    with pytest.raises(ValueError, match="no batch has every cell yet"):  # one line, not an IndexError
+        loops.plot_loops(documents.write_result(first, tmp_path / "shard"))
     # a stopped run left batch 0 of full behind: the next shard computes only what is missing
     loops.run_loops(dataclasses.replace(config, shard="0/2", problems=(2,)), *tiny_pair)
     assert calls == ["streaming", "full", "h2o"]

@@ -9,9 +9,13 @@ import pytest
 from epikv.bench.loops.summary import (
     cell_row,
     facts,
+    left_before_eviction,
     loop_timing,
+    markdown,
     paired_row,
     problem_facts,
+    shifted_cells,
+    summarize_loops,
 )
 from epikv.bench.shared import paired
 from epikv.bench.shared.ci_plots import Ranked, rank, short
@@ -154,3 +158,46 @@ def test_a_tiny_exact_p_is_kept_not_rounded_to_zero():
     problems = [_problem(i, {"full": full, "h2o@8": _generation(LOOPING, 12)}) for i in range(20)]
     p = paired_row(problems, "h2o@8", "full")["loop"]["p_value"]
     assert p == pytest.approx(2 * 0.5**20, rel=1e-2) and p > 0
+
+
+def test_left_before_eviction_is_a_departure_from_full_while_the_cache_was_complete():
+    full = _generation(PREFIX + list(range(200, 230)), None, finish="eos")
+    # LOOPING leaves full's trace at token 20 (the loop's first token).
+    assert left_before_eviction(facts(_generation(LOOPING, 25), full, LOOPS))  # left at 20, evicted at 25
+    assert not left_before_eviction(facts(_generation(LOOPING, 12), full, LOOPS))  # evicted first
+    assert not left_before_eviction(facts(_generation(LOOPING, 20), full, LOOPS))  # token 20: evicted cache
+    assert left_before_eviction(facts(_generation(LOOPING, None), full, LOOPS))  # never evicted, left
+    assert not left_before_eviction(facts(_generation(full["token_ids"], 5), full, LOOPS))  # never left
+    assert not left_before_eviction(facts(_generation(LOOPING, 25), None, LOOPS))  # no full to leave
+
+
+def test_a_cell_is_flagged_shifted_over_half_and_the_table_says_so():
+    full = _generation(PREFIX + list(range(200, 230)), None, finish="eos")
+    early, late = _generation(LOOPING, 25), _generation(LOOPING, 12)  # left at 20: before / after
+    plan = [
+        {"label": "full", "kind": "peak", "target": 9, "budget": None, "cell": "full"},
+        {"label": "h2o", "kind": "peak", "target": 9, "budget": 8, "cell": "h2o@8"},
+        {"label": "tova", "kind": "peak", "target": 9, "budget": 8, "cell": "tova@8"},
+    ]
+    # h2o: 2 of 4 left before any eviction (half: not over the limit); tova: 3 of 4 (75%).
+    h2o = [early, late, early, full]
+    tova = [early, early, late, {"skipped": "too long"}, early]
+    problems = [
+        _problem(
+            i,
+            {"full": full, "h2o@8": h2o[i], "tova@8": tova[i]}
+            if i < 4
+            else {"full": full, "tova@8": tova[i]},
+        )
+        for i in range(5)
+    ]
+    summary = summarize_loops(problems, plan, ["full"])
+    rows = summary["rows"]["d"]
+    assert rows["h2o@8"]["left_before_eviction"]["successes"] == 2
+    assert rows["h2o@8"]["left_before_eviction"]["n"] == 4 and not rows["h2o@8"]["shifted"]
+    assert rows["tova@8"]["left_before_eviction"]["successes"] == 3
+    assert rows["tova@8"]["left_before_eviction"]["n"] == 4 and rows["tova@8"]["shifted"]  # skip left out
+    assert not rows["full"]["shifted"] and shifted_cells(summary) == {"tova@8": 0.75}
+    table = markdown(summary)
+    assert "3/4 [30, 95]% **shifted**" in table and "2/4 [15, 85]% |" in table
+    assert "**Shifted** (tova)" in table and "**Shifted** (h2o" not in table

@@ -32,6 +32,11 @@ def _shown(label: str, row: dict[str, Any]) -> str:
 def plot_document(json_path: str | Path, png: str | Path | None = None) -> Path:
     data = documents.read_result(json_path, "loops")
     summary = data["results"]["summary"]
+    if not summary["datasets"]:  # a shard's document before another shard finished its cells
+        raise ValueError(
+            f"{json_path}: no batch has every cell yet, so there is nothing to plot; the parts are kept: "
+            "run the same command without --shard to assemble them"
+        )
     dataset = summary["datasets"][-1]  # "all" when there are several
     rows = summary["rows"][dataset]
     levels = [c for c in summary["comparisons"] if c["kind"] == "peak"]
