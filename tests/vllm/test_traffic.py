@@ -185,6 +185,19 @@ def test_a_stop_string_finish_carries_the_counters_of_its_last_step(llm, embedde
     assert_nothing_left(llm)
 
 
+def test_each_child_of_n_greater_than_one_reports_its_counters(llm, embedded):
+    p = embedded["prompts"][2]
+    sampling = SamplingParams(n=3, seed=1, temperature=1.0, max_tokens=40, ignore_eos=True)
+    out = llm.generate([TokensPrompt(prompt_token_ids=p)], sampling, use_tqdm=False)[0]
+    choices = out.kv_transfer_params["epikv_choices"]
+    assert len(out.outputs) == len(choices) == 3
+    # each child evicts one token per step over K: P + 39 tokens fed; peak max(P, K + 1)
+    for c in choices:
+        assert c["budget"] == K and c["evictions"] == len(p) + 39 - K
+        assert c["peak_cache_tokens"] == max(len(p), K + 1)
+    assert_nothing_left(llm)
+
+
 def test_the_pinned_attributes_are_on_a_live_engine(llm, embedded):
     from epikv.vllm import pins
 

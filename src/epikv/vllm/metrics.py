@@ -77,3 +77,16 @@ class Latest:
 
     def finished(self, req_id: str, reason: Any) -> None:
         observe_finished(self.model, self.stats.pop(req_id, None), None if reason is None else str(reason))
+
+
+def with_choices(child: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """A child's output params (``n > 1``) with every child's latest counters so far, in choice order
+    (``epikv_choices``): the parent's final output is made from one child's, so it carries them all.
+    Kept on vLLM's parent request object, so they live exactly as long as it."""
+    stats = params.get(KEY)
+    if stats is None:
+        return params
+    parent = child.parent_req
+    choices = parent.__dict__.setdefault("epikv_choices", {})
+    choices[child.request_index] = stats
+    return {**params, "epikv_choices": [choices[i] for i in sorted(choices)]}

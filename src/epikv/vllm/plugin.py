@@ -159,7 +159,7 @@ def _wrap_outputs() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    from epikv.vllm.metrics import Latest
+    from epikv.vllm.metrics import Latest, with_choices
 
     for engine in (AsyncLLM, LLMEngine):
         _after_init(engine, Latest)
@@ -170,6 +170,10 @@ def _wrap_outputs() -> None:
         latest = getattr(self, "epikv_latest", None)
         if latest is not None:
             latest.see(engine_core_outputs, self.request_states)
+            for out in engine_core_outputs:  # n > 1: the parent's output carries every child's
+                state = self.request_states.get(out.request_id)
+                if state is not None and state.parent_req is not None and out.kv_transfer_params:
+                    out.kv_transfer_params = with_choices(state, out.kv_transfer_params)
         return process(self, engine_core_outputs, *args, **kwargs)
 
     def update_stats_from_finished(self: Any, req_state: Any, finish_reason: Any, *args: Any) -> Any:
