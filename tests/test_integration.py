@@ -13,6 +13,7 @@ import epikv
 from epikv import scoring
 from epikv.integration import active_hooks, attention_implementation, kernels, model_info, project_queries
 from epikv.integration.arch import check_supported, decoder_layers
+from epikv.integration.compat import cache_kwargs
 from epikv.models.tiny import random_weights, tiny_config, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70, 4]])
@@ -32,7 +33,7 @@ def test_hooks_removed_and_attention_untouched(tiny_model):
     assert active_hooks(tiny_model) == 0
     with epikv.attach(tiny_model, "epikv", budget=64, band_a=1, band_b=2) as cache:
         assert active_hooks(tiny_model) == 4  # pre + post on the stack, two band layers
-        out = tiny_model(input_ids=PROMPT, cache=cache, use_cache=True)
+        out = tiny_model(input_ids=PROMPT, **cache_kwargs(tiny_model, cache), use_cache=True)
         assert attention_implementation(tiny_model) == kernels.NAME  # SDPA, decode on packed groups
         assert getattr(out, "attentions", None) is None
     assert active_hooks(tiny_model) == 0
@@ -43,9 +44,11 @@ def test_hooks_removed_and_attention_untouched(tiny_model):
 
 
 def test_hooks_ignore_other_caches(tiny_llama):
-    ref = tiny_llama(input_ids=PROMPT, cache=DynamicCache(), use_cache=True).logits
+    ref = tiny_llama(input_ids=PROMPT, **cache_kwargs(tiny_llama, DynamicCache()), use_cache=True).logits
     with epikv.attach(tiny_llama, "epikv-flat", budget=64, band_a=1, band_b=2) as cache:
-        other = tiny_llama(input_ids=PROMPT, cache=DynamicCache(), use_cache=True).logits
+        other = tiny_llama(
+            input_ids=PROMPT, **cache_kwargs(tiny_llama, DynamicCache()), use_cache=True
+        ).logits
         assert not cache.started
     torch.testing.assert_close(ref, other)
 
@@ -119,7 +122,7 @@ def test_recomputed_queries_reproduce_eager_attention(arch_model):
     captured = {}
     handle = eager.model.layers[band_a].register_forward_hook(lambda m, a, o: captured.update(h=o))
     try:
-        out = eager(input_ids=PROMPT, cache=cache, use_cache=True, output_attentions=True)
+        out = eager(input_ids=PROMPT, **cache_kwargs(eager, cache), use_cache=True, output_attentions=True)
     finally:
         handle.remove()
     n = PROMPT.shape[1]
