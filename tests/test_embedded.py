@@ -19,6 +19,7 @@ def smol():
     return load_model()
 
 
+@pytest.mark.exactness
 def test_no_eviction_equals_plain_cache(smol):
     model, tok = smol
     ids, _ = encode_prompts(tok, ["Name three prime numbers."])
@@ -33,6 +34,7 @@ def test_no_eviction_equals_plain_cache(smol):
         assert torch.equal(out, ref), name
 
 
+@pytest.mark.exactness
 def test_eviction_is_bounded_and_keeps_true_positions(smol):
     model, tok = smol
     budget = 64

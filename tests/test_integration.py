@@ -29,6 +29,7 @@ def _record_queries(module, query, *args, **kwargs):
 AttentionInterface.register("epikv-record-queries", _record_queries)
 
 
+@pytest.mark.exactness
 def test_hooks_removed_and_attention_untouched(tiny_model):
     assert active_hooks(tiny_model) == 0
     with epikv.attach(tiny_model, "epikv", budget=64, band_a=1, band_b=2) as cache:
@@ -112,6 +113,7 @@ def test_band_outside_model(tiny_llama):
         epikv.attach(tiny_llama, "epikv", budget=64, band_a=1, band_b=2, query_layer=9)
 
 
+@pytest.mark.exactness
 def test_recomputed_queries_reproduce_eager_attention(arch_model):
     """Seg-Q relevance from stored Band-A states equals the eager attention row of layer A+1 (a
     global layer: Seg-Q's queries meet keys that evict, never a sliding window's)."""
@@ -144,6 +146,7 @@ def test_model_info(tiny_llama):
     assert info.identity == "tiny-llama"
 
 
+@pytest.mark.exactness
 def test_recomputed_queries_are_the_models_own(arch_model):
     """Queries recomputed from the residual entering each layer, at given (true) positions, equal the
     query states that layer's attention computed there: projection (fused or not), query norm

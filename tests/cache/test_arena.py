@@ -106,6 +106,7 @@ def test_fill_gaps_moves_only_tail_rows():
     assert fill_gaps(3, [0, 1, 2]) == []
 
 
+@pytest.mark.exactness
 def test_grouped_query_heads_are_never_repeated_in_decoding(tiny_llama, monkeypatch):
     """transformers packs the query groups for one-token steps (even with our hole mask): K and V are
     read once per KV head, never copied per query head."""
@@ -133,6 +134,7 @@ def test_transformers_row_verbs_are_refused(tiny_llama):
                 getattr(cache.layers[0], verb)(arg)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(
     ("schedule", "expected"), [("after_interval", [6, 12, 18]), ("after_prefill", [5, 11, 17])]
 )

@@ -57,6 +57,7 @@ def kept_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+@pytest.mark.exactness
 def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
     with epikv.attach(arch_model, "random", budget=24) as cache:
         tokens, _ = decode(arch_model, cache, PROMPT, 40)
@@ -89,6 +90,7 @@ def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
     )
 
 
+@pytest.mark.exactness
 def test_kept_set_is_true_topk_of_recording_policy(tiny_llama):
     Recording.calls.clear()
     budget = 30
@@ -137,6 +139,7 @@ def test_interval_bounds_growth(tiny_llama):
     assert cache.compactions >= 5
 
 
+@pytest.mark.exactness
 def test_padded_batch_equals_each_prompt_alone(tiny_model, tok):
     prompts = ["the quick brown fox jumps", "hi", "a much longer prompt than the others here"]
     sampling = SamplingConfig(max_new_tokens=50, ignore_eos=True)

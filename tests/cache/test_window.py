@@ -12,6 +12,8 @@ from epikv.integration import build_spec, model_info
 from epikv.integration.compat import cache_kwargs
 from epikv.models.tiny import tiny_model
 
+pytestmark = pytest.mark.exactness  # also run under vLLM's transformers (README's test command)
+
 HYBRIDS = ("gemma3_text", "olmo3", "gpt_oss", "exaone4", "smollm3")
 WINDOWED = {
     "smollm3": dict(

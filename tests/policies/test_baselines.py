@@ -25,6 +25,8 @@ from epikv.policies.snapkv import SnapKV
 from epikv.spec import CacheSpec
 from tests.helpers.models import make_tiny
 
+pytestmark = pytest.mark.exactness  # also run under vLLM's transformers (README's test command)
+
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
 
 

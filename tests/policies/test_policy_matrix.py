@@ -24,6 +24,7 @@ def plain_greedy(model, n):
     )
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", policy_names())
 def test_no_eviction_equals_plain_cache(arch_model, name):
     n = 30
