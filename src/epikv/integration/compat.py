@@ -14,8 +14,8 @@ from torch import nn
 
 def local_pack_gqa(hidden_states: torch.Tensor | None, n_rep: int) -> torch.Tensor | None:
     """(B, Hq, 1, D) -> (B, H, n_rep, D), Hq = H * n_rep; a mask shared by all heads (B, 1, 1, L)
-    or None is returned as is. transformers' own ``pack_gqa`` (not in 5.19), for the releases
-    without it; ``tests/test_compat.py`` proves the two equal where both exist."""
+    or None is returned as is. transformers' own ``pack_gqa`` (5.23 on), for the releases
+    before it; ``tests/test_compat.py`` proves the two equal where both exist."""
     if hidden_states is None or hidden_states.shape[1] == 1:
         return hidden_states
     batch, num_attention_heads, _, dim = hidden_states.shape
@@ -24,7 +24,7 @@ def local_pack_gqa(hidden_states: torch.Tensor | None, n_rep: int) -> torch.Tens
 
 try:
     from transformers.integrations.sdpa_attention import pack_gqa
-except ImportError:  # transformers 5.19 has no pack_gqa
+except ImportError:  # transformers before 5.23 (vLLM 0.32 pins 5.19)
     pack_gqa = local_pack_gqa
 
 
@@ -37,7 +37,7 @@ def _cache_keyword(forward_owner: type) -> str:
 def cache_keyword(model: nn.Module) -> str:
     """The keyword under which ``model``'s forward and ``generate`` take a cache: ``cache`` where the
     forward names it so (transformers 5.24; ``past_key_values`` is deprecated there and warns), else
-    ``past_key_values`` (5.19, where ``cache=`` is refused as an unused model kwarg)."""
+    ``past_key_values`` (5.19 to 5.23, where ``generate`` refuses ``cache=`` as an unused kwarg)."""
     return _cache_keyword(type(model))
 
 
