@@ -37,7 +37,7 @@ def _cache_keyword(forward_owner: type) -> str:
 def cache_keyword(model: nn.Module) -> str:
     """The keyword under which ``model``'s forward and ``generate`` take a cache: ``cache`` where the
     forward names it so (transformers 5.24; ``past_key_values`` is deprecated there and warns), else
-    ``past_key_values`` (5.19 to 5.23, where ``generate`` refuses ``cache=`` as an unused kwarg)."""
+    ``past_key_values`` (5.19 to 5.23: there ``generate`` refuses ``cache=`` and the forward ignores it)."""
     return _cache_keyword(type(model))
 
 
