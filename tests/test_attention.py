@@ -11,6 +11,7 @@ import epikv
 from epikv.integration import attention_implementation, kernels
 from epikv.integration.arch import decoder_layers
 from epikv.integration.attention import attention_rows
+from epikv.integration.compat import cache_kwargs
 from epikv.policies.base import CacheView, Needs, Policy, StepSignals, global_scores
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]])
@@ -44,10 +45,12 @@ def record(model, mode: str) -> list:
         # recompute keeps the fused kernel: SDPA, with one-token steps on packed query groups
         fused = kernels.NAME if before == "sdpa" else before  # gpt-oss runs its own eager attention
         assert attention_implementation(model) == ("eager" if mode == "eager" else fused)
-        logits = model(input_ids=PROMPT, cache=cache, use_cache=True).logits
+        logits = model(input_ids=PROMPT, **cache_kwargs(model, cache), use_cache=True).logits
         for _ in range(12):
             logits = model(
-                input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True
+                input_ids=logits[:, -1].argmax(-1, keepdim=True),
+                **cache_kwargs(model, cache),
+                use_cache=True,
             ).logits
     assert attention_implementation(model) == before
     return list(AttentionRecorder.seen)

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import epikv
 from epikv.generation import SamplingConfig, encode_prompts, generate
+from epikv.integration.compat import cache_kwargs
 from tests.helpers.engine import check_joining_equals_alone
 
 
@@ -18,16 +19,22 @@ def smol():
     return load_model()
 
 
+@pytest.mark.exactness
 def test_no_eviction_equals_plain_cache(smol):
     model, tok = smol
     ids, _ = encode_prompts(tok, ["Name three prime numbers."])
-    ref = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, cache=DynamicCache())
+    ref = model.generate(
+        ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, **cache_kwargs(model, DynamicCache())
+    )
     for name in ("epikv", "epikv-flat"):
         with epikv.attach(model, name, budget=4096) as cache:
-            out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, cache=cache)
+            out = model.generate(
+                ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, **cache_kwargs(model, cache)
+            )
         assert torch.equal(out, ref), name
 
 
+@pytest.mark.exactness
 def test_eviction_is_bounded_and_keeps_true_positions(smol):
     model, tok = smol
     budget = 64

@@ -19,6 +19,7 @@ import torch
 
 import epikv
 from epikv.generation import encode_prompt_ids, encode_prompts
+from epikv.integration.compat import cache_kwargs
 from tests.helpers.engine import check_joining_equals_alone
 
 pytestmark = pytest.mark.slow
@@ -85,7 +86,7 @@ def test_full_policy_generates_what_plain_generate_does(gemma, prompts, which):
     ids, _ = encode_prompts(tok, [prompts[which]])
     plain = greedy(model, ids)
     with epikv.attach(model, "full") as cache:
-        ours = greedy(model, ids, cache=cache)
+        ours = greedy(model, ids, **cache_kwargs(model, cache))
     assert ours[0].tolist() == plain[0].tolist(), (tok.decode(plain[0, ids.shape[1] :]), tok.decode(ours[0]))
     stats = cache.stats()[0]
     assert stats.evictions == 0 and stats.prompt_tokens == ids.shape[1]
@@ -102,7 +103,7 @@ def test_an_evicting_policy_stays_within_its_budget(gemma, prompts, name, which)
     ids, _ = encode_prompts(tok, [prompts[which]])
     handle = epikv.attach(model, name, budget=budget, interval=interval)
     with handle as cache:
-        out = greedy(model, ids, new_tokens, cache=cache)
+        out = greedy(model, ids, new_tokens, **cache_kwargs(model, cache))
     info = epikv.model_info(model)
     assert len(info.sliding_layers) == 15 and len(info.cache_layers) == 3
     for i in info.sliding_layers:  # a ring of the window and one slot that padding writes to

@@ -13,6 +13,7 @@ import epikv
 from epikv import scoring
 from epikv.integration import active_hooks, attention_implementation, kernels, model_info, project_queries
 from epikv.integration.arch import check_supported, decoder_layers
+from epikv.integration.compat import cache_kwargs
 from epikv.models.tiny import random_weights, tiny_config, tiny_model
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70, 4]])
@@ -28,11 +29,12 @@ def _record_queries(module, query, *args, **kwargs):
 AttentionInterface.register("epikv-record-queries", _record_queries)
 
 
+@pytest.mark.exactness
 def test_hooks_removed_and_attention_untouched(tiny_model):
     assert active_hooks(tiny_model) == 0
     with epikv.attach(tiny_model, "epikv", budget=64, band_a=1, band_b=2) as cache:
         assert active_hooks(tiny_model) == 4  # pre + post on the stack, two band layers
-        out = tiny_model(input_ids=PROMPT, cache=cache, use_cache=True)
+        out = tiny_model(input_ids=PROMPT, **cache_kwargs(tiny_model, cache), use_cache=True)
         assert attention_implementation(tiny_model) == kernels.NAME  # SDPA, decode on packed groups
         assert getattr(out, "attentions", None) is None
     assert active_hooks(tiny_model) == 0
@@ -43,9 +45,11 @@ def test_hooks_removed_and_attention_untouched(tiny_model):
 
 
 def test_hooks_ignore_other_caches(tiny_llama):
-    ref = tiny_llama(input_ids=PROMPT, cache=DynamicCache(), use_cache=True).logits
+    ref = tiny_llama(input_ids=PROMPT, **cache_kwargs(tiny_llama, DynamicCache()), use_cache=True).logits
     with epikv.attach(tiny_llama, "epikv-flat", budget=64, band_a=1, band_b=2) as cache:
-        other = tiny_llama(input_ids=PROMPT, cache=DynamicCache(), use_cache=True).logits
+        other = tiny_llama(
+            input_ids=PROMPT, **cache_kwargs(tiny_llama, DynamicCache()), use_cache=True
+        ).logits
         assert not cache.started
     torch.testing.assert_close(ref, other)
 
@@ -109,6 +113,7 @@ def test_band_outside_model(tiny_llama):
         epikv.attach(tiny_llama, "epikv", budget=64, band_a=1, band_b=2, query_layer=9)
 
 
+@pytest.mark.exactness
 def test_recomputed_queries_reproduce_eager_attention(arch_model):
     """Seg-Q relevance from stored Band-A states equals the eager attention row of layer A+1 (a
     global layer: Seg-Q's queries meet keys that evict, never a sliding window's)."""
@@ -119,7 +124,7 @@ def test_recomputed_queries_reproduce_eager_attention(arch_model):
     captured = {}
     handle = eager.model.layers[band_a].register_forward_hook(lambda m, a, o: captured.update(h=o))
     try:
-        out = eager(input_ids=PROMPT, cache=cache, use_cache=True, output_attentions=True)
+        out = eager(input_ids=PROMPT, **cache_kwargs(eager, cache), use_cache=True, output_attentions=True)
     finally:
         handle.remove()
     n = PROMPT.shape[1]
@@ -141,6 +146,7 @@ def test_model_info(tiny_llama):
     assert info.identity == "tiny-llama"
 
 
+@pytest.mark.exactness
 def test_recomputed_queries_are_the_models_own(arch_model):
     """Queries recomputed from the residual entering each layer, at given (true) positions, equal the
     query states that layer's attention computed there: projection (fused or not), query norm

@@ -6,7 +6,8 @@ the prompt, so a prompt draws the same tokens whatever batch or resume it runs i
 completions' tokens into their text (the :class:`~epikv.engine.Completion` is the one record of a
 finished sequence, here as in evaluation), and the :class:`ChatGenerator` that evaluation calls. The
 decoding itself is :class:`epikv.engine.Engine`'s.
-``model.generate(..., cache=cache)`` works too (see :func:`epikv.attach`).
+``model.generate(..., cache=cache)`` works too (see :func:`epikv.attach`; ``past_key_values=cache``
+on transformers 5.19).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from epikv.cache import Arena, ArenaShape
 from epikv.engine import Engine, Request, SchedulerLimits
 from epikv.engine.engine import fill_gaps
 from epikv.integration import model_info
+from epikv.integration.compat import cache_kwargs
 from epikv.models.tiny import tiny_model
 from tests.helpers.engine import prompts, spec_for
 from tests.helpers.models import policy_params
@@ -105,6 +106,7 @@ def test_fill_gaps_moves_only_tail_rows():
     assert fill_gaps(3, [0, 1, 2]) == []
 
 
+@pytest.mark.exactness
 def test_grouped_query_heads_are_never_repeated_in_decoding(tiny_llama, monkeypatch):
     """transformers packs the query groups for one-token steps (even with our hole mask): K and V are
     read once per KV head, never copied per query head."""
@@ -126,12 +128,13 @@ def test_grouped_query_heads_are_never_repeated_in_decoding(tiny_llama, monkeypa
 
 def test_transformers_row_verbs_are_refused(tiny_llama):
     with epikv.attach(tiny_llama, "streaming", budget=16) as cache:
-        tiny_llama(input_ids=torch.tensor([prompts(1)[0]]), cache=cache, use_cache=True)
+        tiny_llama(input_ids=torch.tensor([prompts(1)[0]]), **cache_kwargs(tiny_llama, cache), use_cache=True)
         for verb, arg in (("crop", -1), ("batch_select_indices", torch.tensor([0])), ("reorder_cache", None)):
             with pytest.raises(ValueError):
                 getattr(cache.layers[0], verb)(arg)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(
     ("schedule", "expected"), [("after_interval", [6, 12, 18]), ("after_prefill", [5, 11, 17])]
 )
@@ -143,11 +146,13 @@ def test_segq_first_compaction_schedule(tiny_llama, schedule, expected):
     params = {**policy_params("epikv"), "first_compaction": schedule, "recent": 2}
     with epikv.attach(tiny_llama, "epikv", budget=16, interval=6, **params) as cache:
         ids = torch.tensor([prompts(1)[0]])  # 12 tokens
-        logits = tiny_llama(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = tiny_llama(input_ids=ids, **cache_kwargs(tiny_llama, cache), use_cache=True).logits
         at = []
         for step in range(1, 19):
             before = cache.row_compactions[0]
-            logits = tiny_llama(input_ids=logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+            logits = tiny_llama(
+                input_ids=logits[:, -1:].argmax(-1), **cache_kwargs(tiny_llama, cache), use_cache=True
+            ).logits
             if cache.row_compactions[0] != before:
                 at.append(step)
     assert at == expected

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 import epikv
 from epikv.cache.window import WindowLayer
 from epikv.generation import SamplingConfig, generate
+from epikv.integration.compat import cache_kwargs
 from epikv.policies.base import CacheView, Policy, global_scores
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]])
@@ -32,12 +33,12 @@ class Recording(Policy):
 
 
 def decode(model, cache, ids, n):
-    logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+    logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
     tokens = []
     for _ in range(n):
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(token))
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits
+        logits = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits
     return tokens, logits
 
 
@@ -56,6 +57,7 @@ def kept_states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+@pytest.mark.exactness
 def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
     with epikv.attach(arch_model, "random", budget=24) as cache:
         tokens, _ = decode(arch_model, cache, PROMPT, 40)
@@ -64,7 +66,7 @@ def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
         true_pos = int(cache.seen[0])
         compacted_len = cache.get_seq_length()
         nxt = torch.tensor([[tokens[-1]]])
-        ours = arch_model(input_ids=nxt, cache=cache, use_cache=True).logits[0, -1]
+        ours = arch_model(input_ids=nxt, **cache_kwargs(arch_model, cache), use_cache=True).logits[0, -1]
         # one token attends everything a plain cache holds: no mask (a hybrid takes one per layer kind)
         mask = {"full_attention": None, "sliding_attention": None} if cache.windows is not None else None
 
@@ -74,7 +76,11 @@ def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
             ref.update(k, v, i)
         pos = torch.tensor([[position]])
         return arch_model(
-            input_ids=nxt, position_ids=pos, attention_mask=mask, cache=ref, use_cache=True
+            input_ids=nxt,
+            position_ids=pos,
+            attention_mask=mask,
+            **cache_kwargs(arch_model, ref),
+            use_cache=True,
         ).logits[0, -1]
 
     assert compacted_len < true_pos
@@ -84,16 +90,17 @@ def test_logits_after_eviction_match_reference_with_true_positions(arch_model):
     )
 
 
+@pytest.mark.exactness
 def test_kept_set_is_true_topk_of_recording_policy(tiny_llama):
     Recording.calls.clear()
     budget = 30
     policy = Recording(recent=5)
     with epikv.attach(tiny_llama, policy, budget=budget) as cache:
-        logits = tiny_llama(input_ids=PROMPT, cache=cache, use_cache=True).logits
+        logits = tiny_llama(input_ids=PROMPT, **cache_kwargs(tiny_llama, cache), use_cache=True).logits
         for _ in range(40):
             before = len(Recording.calls)
             token = logits[:, -1].argmax(-1, keepdim=True)
-            logits = tiny_llama(input_ids=token, cache=cache, use_cache=True).logits
+            logits = tiny_llama(input_ids=token, **cache_kwargs(tiny_llama, cache), use_cache=True).logits
             if len(Recording.calls) == before:
                 continue
             pos, scores, _ = Recording.calls[-1]
@@ -120,16 +127,19 @@ def test_streaming_keeps_exactly_sinks_and_most_recent(tiny_llama):
 def test_interval_bounds_growth(tiny_llama):
     with epikv.attach(tiny_llama, "random", budget=20, interval=8) as cache:
         lengths = []
-        logits = tiny_llama(input_ids=PROMPT, cache=cache, use_cache=True).logits
+        logits = tiny_llama(input_ids=PROMPT, **cache_kwargs(tiny_llama, cache), use_cache=True).logits
         for _ in range(60):
             logits = tiny_llama(
-                input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True
+                input_ids=logits[:, -1].argmax(-1, keepdim=True),
+                **cache_kwargs(tiny_llama, cache),
+                use_cache=True,
             ).logits
             lengths.append(cache.get_seq_length())
     assert max(lengths) <= 28 and max(lengths) > 21  # grows between compactions, never past K + tau
     assert cache.compactions >= 5
 
 
+@pytest.mark.exactness
 def test_padded_batch_equals_each_prompt_alone(tiny_model, tok):
     prompts = ["the quick brown fox jumps", "hi", "a much longer prompt than the others here"]
     sampling = SamplingConfig(max_new_tokens=50, ignore_eos=True)
@@ -173,7 +183,7 @@ def test_budget_errors(tiny_llama):
         with pytest.raises(
             ValueError, match=r"budget 12 cannot hold .*prompt \(10\) \+ recent window \(3\) = 13"
         ):
-            tiny_llama(input_ids=PROMPT, cache=cache, use_cache=True)
+            tiny_llama(input_ids=PROMPT, **cache_kwargs(tiny_llama, cache), use_cache=True)
 
 
 def test_unknown_policy_suggests():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import epikv
+from epikv.integration.compat import cache_kwargs
 from epikv.policies.base import CacheView, Policy, StepSignals
 
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60]])
@@ -41,10 +42,12 @@ class HeadwiseAge(Policy):
 @pytest.mark.parametrize("steps", [30])
 def test_layer_head_granularity(tiny_llama, steps):
     with epikv.attach(tiny_llama, HeadwiseAge(recent=3), budget=16) as cache:
-        logits = tiny_llama(input_ids=PROMPT, cache=cache, use_cache=True).logits
+        logits = tiny_llama(input_ids=PROMPT, **cache_kwargs(tiny_llama, cache), use_cache=True).logits
         for _ in range(steps):
             logits = tiny_llama(
-                input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache, use_cache=True
+                input_ids=logits[:, -1].argmax(-1, keepdim=True),
+                **cache_kwargs(tiny_llama, cache),
+                use_cache=True,
             ).logits
         kept = {
             (i, h): tuple(layer.positions[0, h].tolist())

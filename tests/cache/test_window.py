@@ -9,7 +9,10 @@ import torch
 import epikv
 from epikv.engine.runner import Runner
 from epikv.integration import build_spec, model_info
+from epikv.integration.compat import cache_kwargs
 from epikv.models.tiny import tiny_model
+
+pytestmark = pytest.mark.exactness  # also run under vLLM's transformers (README's test command)
 
 HYBRIDS = ("gemma3_text", "olmo3", "gpt_oss", "exaone4", "smollm3")
 WINDOWED = {
@@ -45,17 +48,19 @@ def test_full_equals_plain_transformers_past_the_window_in_a_padded_batch(hybrid
     ids, kwargs = padded_pair(97, seed=3, pads=4, new_tokens=40)
     ref = hybrid.generate(ids, **kwargs)
     with epikv.attach(hybrid, "full") as cache:
-        out = hybrid.generate(ids, cache=cache, **kwargs)
+        out = hybrid.generate(ids, **cache_kwargs(hybrid, cache), **kwargs)
     assert torch.equal(out, ref)
 
 
 def test_a_ring_holds_exactly_the_last_window(hybrid):
     window = model_info(hybrid).window
     with epikv.attach(hybrid, "streaming", budget=12) as cache:
-        logits = hybrid(input_ids=torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]]), cache=cache).logits
+        logits = hybrid(
+            input_ids=torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]]), **cache_kwargs(hybrid, cache)
+        ).logits
         for _ in range(15):
             token = logits[:, -1].argmax(-1, keepdim=True)
-            logits = hybrid(input_ids=token, cache=cache).logits
+            logits = hybrid(input_ids=token, **cache_kwargs(hybrid, cache)).logits
             ring = cache.windows.arena
             held = sorted(int(p) for p, v in zip(ring.positions[0, 0, 0], ring.valid[0], strict=True) if v)
             seen = int(cache.seen[0])
@@ -79,7 +84,7 @@ def test_a_prompt_in_chunks_equals_one_pass(hybrid):
             for _ in range(10):
                 token = logits.reshape(-1).argmax().view(1, 1)
                 tokens.append(int(token))
-                logits = hybrid(input_ids=token, cache=cache).logits[:, -1]
+                logits = hybrid(input_ids=token, **cache_kwargs(hybrid, cache)).logits[:, -1]
         outs.append((logits, tokens))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
     assert outs[0][1] == outs[1][1]
@@ -87,9 +92,13 @@ def test_a_prompt_in_chunks_equals_one_pass(hybrid):
 
 def test_only_global_layers_evict_and_sliding_layers_keep_their_window(hybrid):
     with epikv.attach(hybrid, "epikv", budget=16, interval=4) as cache:
-        logits = hybrid(input_ids=torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]]), cache=cache).logits
+        logits = hybrid(
+            input_ids=torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11]]), **cache_kwargs(hybrid, cache)
+        ).logits
         for _ in range(30):
-            logits = hybrid(input_ids=logits[:, -1].argmax(-1, keepdim=True), cache=cache).logits
+            logits = hybrid(
+                input_ids=logits[:, -1].argmax(-1, keepdim=True), **cache_kwargs(hybrid, cache)
+            ).logits
         stats = cache.stats()[0]
         assert stats.evictions > 0 and stats.peak_cache_tokens <= 16 + 4
         for i in model_info(hybrid).cache_layers:
@@ -121,7 +130,7 @@ def test_gemma3_multimodal_wrapper_evicts_in_its_text_model():
     ids, kwargs = padded_pair(90, seed=1, pads=3, new_tokens=30)
     ref = model.generate(ids, **kwargs)
     with epikv.attach(model, "full") as cache:
-        assert torch.equal(model.generate(ids, cache=cache, **kwargs), ref)
+        assert torch.equal(model.generate(ids, **cache_kwargs(model, cache), **kwargs), ref)
     with epikv.attach(model, "streaming", budget=12) as cache:
-        model.generate(ids, cache=cache, **kwargs)
+        model.generate(ids, **cache_kwargs(model, cache), **kwargs)
     assert all(s.evictions > 0 and s.peak_cache_tokens <= 13 for s in cache.stats())

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from epikv import scoring
 from epikv.calibrate.signals import all_signals, rolling_mean, rolling_zscore, step_changes
+from epikv.integration.compat import cache_kwargs
 
 
 def _online(d: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,11 +49,19 @@ def test_step_changes_match_token_by_token_decoding(tiny_llama):
     got = step_changes(tiny_llama, ids[0].tolist(), start, 24)
     cache, states = DynamicCache(), []
     with torch.no_grad():
-        out = tiny_llama(input_ids=ids[:, :start], cache=cache, use_cache=True, output_hidden_states=True)
+        out = tiny_llama(
+            input_ids=ids[:, :start],
+            **cache_kwargs(tiny_llama, cache),
+            use_cache=True,
+            output_hidden_states=True,
+        )
         states.append(torch.stack([h[0, -1] for h in out.hidden_states[1:]]))
         for t in range(start, 24):
             out = tiny_llama(
-                input_ids=ids[:, t : t + 1], cache=cache, use_cache=True, output_hidden_states=True
+                input_ids=ids[:, t : t + 1],
+                **cache_kwargs(tiny_llama, cache),
+                use_cache=True,
+                output_hidden_states=True,
             )
             states.append(torch.stack([h[0, -1] for h in out.hidden_states[1:]]))
     h = torch.stack(states, dim=1)  # (L, T + 1, hidden): last prompt token, then each decoded token

@@ -60,6 +60,7 @@ def compare(model, name: str, sampling: SamplingParams | None = None) -> None:
         assert got.first_evicted_index == want.first_evicted_index
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", REQUIRED)
 def test_added_mid_generation_yields_what_it_yields_alone(arch_model, name):
     compare(arch_model, name)

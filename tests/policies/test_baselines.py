@@ -16,6 +16,7 @@ import torch
 import epikv
 from epikv import scoring
 from epikv.cache import BudgetedCache, SlotView
+from epikv.integration.compat import cache_kwargs
 from epikv.policies import get_policy
 from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.raas import RaaS
@@ -24,17 +25,19 @@ from epikv.policies.snapkv import SnapKV
 from epikv.spec import CacheSpec
 from tests.helpers.models import make_tiny
 
+pytestmark = pytest.mark.exactness  # also run under vLLM's transformers (README's test command)
+
 PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
 
 
 def decode(model, cache, n, ids=PROMPT, each=None):
     """Greedy decode of n fed tokens; ``each(cache)`` after every forward. Returns the fed sequence."""
-    logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+    logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
     fed = [ids]
     for _ in range(n):
         token = logits[:, -1].argmax(-1, keepdim=True)
         fed.append(token)
-        logits = model(input_ids=token, cache=cache, use_cache=True).logits
+        logits = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits
         if each is not None:
             each(cache)
     return torch.cat(fed, dim=1)
@@ -280,10 +283,10 @@ def test_recompute_and_eager_give_thinkv_the_same_retention(tiny_model):
     for mode in ("recompute", "eager"):
         params = ATTENTION_POLICIES["thinkv"]
         with epikv.attach(tiny_model, "thinkv", budget=28, attention=mode, **params) as cache:
-            logits = tiny_model(input_ids=PROMPT, cache=cache, use_cache=True).logits
+            logits = tiny_model(input_ids=PROMPT, **cache_kwargs(tiny_model, cache), use_cache=True).logits
             while cache.compactions == 0:  # up to the first compaction: same inputs in both modes
                 token = logits[:, -1].argmax(-1, keepdim=True)
-                logits = tiny_model(input_ids=token, cache=cache, use_cache=True).logits
+                logits = tiny_model(input_ids=token, **cache_kwargs(tiny_model, cache), use_cache=True).logits
             generated = cache.layers[0].positions[0, 0].long() - prompt
             per_segment[mode] = torch.bincount(generated[generated >= 0] // segment).tolist()
             sums[mode] = cache.state.extra.sums.clone()
@@ -309,6 +312,6 @@ def test_eager_colsum_ignores_padding_queries(tiny_llama):
     sums = {}
     for mode in ("recompute", "eager"):
         with epikv.attach(tiny_llama, "h2o", budget=100, attention=mode) as cache:
-            tiny_llama(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            tiny_llama(input_ids=ids, attention_mask=mask, **cache_kwargs(tiny_llama, cache), use_cache=True)
             sums[mode] = cache.buffers["h2o"].clone()
     torch.testing.assert_close(sums["recompute"], sums["eager"])

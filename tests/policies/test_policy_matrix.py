@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import epikv
 from epikv.generation import SamplingConfig, generate
+from epikv.integration.compat import cache_kwargs
 from epikv.policies import policy_class, policy_names
 from tests.helpers.models import policy_params
 
@@ -18,16 +19,21 @@ PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70]])
 
 @functools.cache  # one reference per model: every policy is compared with it
 def plain_greedy(model, n):
-    return model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=DynamicCache())
+    return model.generate(
+        PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, **cache_kwargs(model, DynamicCache())
+    )
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", policy_names())
 def test_no_eviction_equals_plain_cache(arch_model, name):
     n = 30
     budget = None if not policy_class(name).evicts else 10_000
     ref = plain_greedy(arch_model, n)
     with epikv.attach(arch_model, name, budget=budget, **policy_params(name)) as cache:
-        out = arch_model.generate(PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache)
+        out = arch_model.generate(
+            PROMPT, max_new_tokens=n, min_new_tokens=n, do_sample=False, **cache_kwargs(arch_model, cache)
+        )
     assert torch.equal(out, ref)
     assert cache.stats()[0].evictions == 0
 
@@ -41,11 +47,11 @@ def test_bounded_protected_ordered_under_eviction(arch_model, name):
     seen_lengths = []
     with epikv.attach(arch_model, name, budget=budget, interval=interval, **policy_params(name)) as cache:
         ids = PROMPT
-        logits = arch_model(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = arch_model(input_ids=ids, **cache_kwargs(arch_model, cache), use_cache=True).logits
         for _ in range(n):
             token = logits[:, -1].argmax(-1, keepdim=True)
             compactions = cache.compactions
-            logits = arch_model(input_ids=token, cache=cache, use_cache=True).logits
+            logits = arch_model(input_ids=token, **cache_kwargs(arch_model, cache), use_cache=True).logits
             seen_lengths.append(cache.get_seq_length())
             if cache.compactions > compactions:
                 assert seen_lengths[-1] <= budget, "a compaction left more than K tokens"

@@ -19,6 +19,7 @@ from torch import nn
 from epikv.cache import BudgetedCache
 from epikv.engine.request import SamplingParams
 from epikv.integration import Attachment
+from epikv.integration.compat import cache_kwargs
 from epikv.spec import CacheSpec
 
 PREFILL_CHUNK = 2048
@@ -72,7 +73,12 @@ class Runner:
             for start, end in pieces:
                 input_ids = torch.tensor([ids[start:end]], dtype=torch.long, device=self.device)
                 keep = 0 if on_logits is not None else 1
-                out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep)
+                out = self.model(
+                    input_ids=input_ids,
+                    use_cache=True,
+                    **cache_kwargs(self.model, cache),
+                    logits_to_keep=keep,
+                )
                 if on_logits is not None:
                     on_logits(start, out.logits[0])
                 if on_progress is not None and len(pieces) > 1:
@@ -84,13 +90,14 @@ class Runner:
         """Run ``ids`` (one sequence) into ``cache``; the logits of every position, (q, V)."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         with self.attachment:
-            return self.model(input_ids=input_ids, cache=cache, use_cache=True).logits[0]
+            out = self.model(input_ids=input_ids, use_cache=True, **cache_kwargs(self.model, cache))
+        return out.logits[0]
 
     @torch.no_grad()
     def decode(self, cache: BudgetedCache, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row of ``cache``, (B,); the next logits, (B, V)."""
         with self.attachment:
-            out = self.model(input_ids=tokens[:, None], cache=cache, use_cache=True)
+            out = self.model(input_ids=tokens[:, None], use_cache=True, **cache_kwargs(self.model, cache))
         return out.logits[:, -1]
 
 

@@ -203,8 +203,9 @@ class attach:
     ``policy`` is a name, a policy instance or a ready :class:`CacheSpec`; ``attention`` chooses
     where attention rows come from for policies that need them: ``recompute`` (beside the fused
     kernel, the default) or ``eager`` (the model runs eager attention while attached). Inside the
-    block pass the returned cache to ``model(..., cache=cache)`` or
-    ``model.generate(..., past_key_values=cache)``; one cache serves one generation (call
+    block pass the returned cache to ``model(...)`` or ``model.generate(...)`` as ``cache=cache``
+    (``past_key_values=cache`` on transformers 5.19, where ``cache`` is not yet its name;
+    :func:`epikv.integration.compat.cache_kwargs` picks it); one cache serves one generation (call
     ``cache.reset()`` before reusing it). All hooks are removed on exit, even after an error.
     """
 

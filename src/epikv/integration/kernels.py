@@ -9,6 +9,9 @@ as rows of different lengths come and go. So while attached, a one-token step al
 everything else (prefill, chunks, softcap, position bias) goes to transformers' own function.
 Registered under its own name through transformers' public attention and mask interfaces, and
 switched to only for the duration of an attachment (the model's own setting is restored after).
+
+``pack_gqa`` comes from :mod:`epikv.integration.compat` (transformers' own where it has one; 5.19 has
+none, so the same reshape there).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import pack_gqa, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from epikv.integration.compat import pack_gqa
 
 NAME = "epikv_sdpa"
 

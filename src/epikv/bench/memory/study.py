@@ -82,6 +82,7 @@ QUICK = MemoryConfig(min_length=256, max_length=2048, cap_gb=1.0)
 def forward_once(model: torch.nn.Module, path: str, input_ids: torch.Tensor, capture_policy: Any) -> Any:
     """One prefill forward along ``path``; returns the outputs so they stay alive until measured."""
     from epikv import attach
+    from epikv.integration.compat import cache_kwargs
 
     with torch.no_grad():
         if path == "attention_outputs":
@@ -94,7 +95,7 @@ def forward_once(model: torch.nn.Module, path: str, input_ids: torch.Tensor, cap
         if path == "sdpa":
             return model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
         with attach(model, capture_policy, budget=1 << 30) as cache:  # huge: capture, never evict
-            return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            return model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
 
 
 def is_oom(err: BaseException) -> bool:
