@@ -15,6 +15,9 @@ import epikv.vllm
 from epikv.policies.base import ModelInfo
 from epikv.vllm import pins
 from epikv.vllm.config import EpiKVSettings, Refused, check_engine
+from epikv.vllm.plugin import register
+
+register()  # as vLLM does in every process: the wrapped methods must still show vLLM's signatures
 
 
 def resolve(path: str):

@@ -18,6 +18,7 @@ Without that key nothing changes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 _DONE = False
@@ -99,6 +100,7 @@ def _wrap_inputs() -> None:
 
     process = InputProcessor.process_inputs
 
+    @functools.wraps(process)
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         request = process(self, *args, **kwargs)
         spec = engine_spec(self, self.vllm_config)
@@ -138,11 +140,13 @@ def _wrap_beam_search() -> None:
     )
     offline, online = BeamSearchOfflineMixin.beam_search, BeamSearchOnlineMixin.beam_search
 
+    @functools.wraps(offline)
     def offline_search(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _settings(self.llm_engine.vllm_config) is not None:
             raise VLLMValidationError(why, parameter="use_beam_search")
         return offline(self, *args, **kwargs)
 
+    @functools.wraps(online)
     async def online_search(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _settings(self.engine_client.vllm_config) is not None:
             raise VLLMValidationError(why, parameter="use_beam_search")
@@ -166,6 +170,7 @@ def _wrap_outputs() -> None:
     process, finished = OutputProcessor.process_outputs, OutputProcessor._update_stats_from_finished
     abort = OutputProcessor.abort_requests
 
+    @functools.wraps(process)
     def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         latest = getattr(self, "epikv_latest", None)
         if latest is not None:
@@ -176,12 +181,14 @@ def _wrap_outputs() -> None:
                     out.kv_transfer_params = with_choices(state, out.kv_transfer_params)
         return process(self, engine_core_outputs, *args, **kwargs)
 
+    @functools.wraps(finished)
     def update_stats_from_finished(self: Any, req_state: Any, finish_reason: Any, *args: Any) -> Any:
         latest = getattr(self, "epikv_latest", None)
         if latest is not None:
             latest.finished(req_state.request_id, finish_reason)
         return finished(self, req_state, finish_reason, *args)
 
+    @functools.wraps(abort)
     def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
         latest = getattr(self, "epikv_latest", None)
         if latest is None or latest.aborting:  # a parent's children: the outer call counts them
@@ -204,6 +211,7 @@ def _after_init(engine: type, latest: type) -> None:
     """Give the engine's output processor its per-engine counters when the engine runs epikv."""
     init = engine.__init__
 
+    @functools.wraps(init)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         init(self, vllm_config, *args, **kwargs)
         if _settings(vllm_config) is not None:
@@ -223,6 +231,7 @@ def _wrap_chat_stream() -> None:
 
     stream = OpenAIServingChat.chat_completion_stream_generator
 
+    @functools.wraps(stream)
     async def chat_completion_stream_generator(
         self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any
     ) -> Any:
