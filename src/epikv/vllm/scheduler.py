@@ -106,7 +106,7 @@ def capped_spec(spec: FullAttentionSpec, cap: int | None) -> EpiKVAttentionSpec:
     return EpiKVAttentionSpec(**values, cap_tokens=cap or 0)
 
 
-def stats_of(counters: tuple[int, int, int, int]) -> dict[str, int]:
+def stats_of(counters: tuple[int, int, int, int | None]) -> dict[str, int | None]:
     """A request's counters as its output carries them (``kv_transfer_params["epikv"]``)."""
     peak, evicted, compactions, budget = counters
     return {"peak_cache_tokens": peak, "evictions": evicted, "compactions": compactions, "budget": budget}
@@ -118,9 +118,9 @@ class EpiKVScheduler(Scheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.epikv_plans: dict[str, RequestPlan] = {}
-        self.epikv_counters: dict[str, tuple[int, int, int, int]] = {}  # the worker's latest
+        self.epikv_counters: dict[str, tuple[int, int, int, int | None]] = {}  # the worker's latest
         self._epikv_failed: list[tuple[int, EngineCoreOutput]] = []
-        self._epikv_final: dict[str, tuple[int, int, int, int]] | None = None
+        self._epikv_final: dict[str, tuple[int, int, int, int | None]] | None = None
         settings = EpiKVSettings.from_config(vllm_config.additional_config or {})
         self.epikv_spec = settings.spec(model_info(vllm_config)) if settings is not None else None
         self.epikv_usable_blocks = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
