@@ -2,13 +2,17 @@
 
   .venv-vllm/bin/python scripts/vllm_bench.py throughput --out docs/results/vllm/throughput.json
   .venv-vllm/bin/python scripts/vllm_bench.py capacity --out docs/results/vllm/capacity.json
+  .venv-vllm/bin/python scripts/vllm_bench.py chat --out docs/results/vllm/chat.json
 
 ``throughput``: plain vLLM and vLLM + epikv (K = 256) on the same 16 chat prompts, greedy, EOS
 ignored, T new tokens each, all submitted at once; engines alternate within one run, each in a fresh
 child process of the same layout. ``capacity``: a KV pool that holds one full request of ``--tokens``
 tokens, ``--requests`` requests of that length under the plugin (and ``--plain-requests`` under plain
-vLLM): how many ran at once, preemptions, and whether all finished. Every record carries the CPU
-model and the load average; compare only ratios from one run.
+vLLM): how many ran at once, preemptions, and whether all finished. ``chat``: short chats (the 16
+prompts, ``--chat-tokens`` new tokens each) in a fixed pool of ``--chat-blocks`` blocks: how many ran
+at once under each engine. ``--modes`` runs each job in eager mode, vLLM's default compiled mode, or
+both. Every record carries the CPU model, its vector flags and the load average; compare only ratios
+from one run.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ def cpu_model() -> str:
         return platform.processor()
 
 
+def cpu_flags() -> list[str]:
+    """The vector extensions that decide fp32/bf16 speed on CPU (lscpu's flags)."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+    return [f for f in wanted if f in flags]
+
+
 def child(job: dict) -> dict:
     """One engine run in this process (called in a fresh child by :func:`run_child`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -50,7 +65,7 @@ def child(job: dict) -> dict:
     ids = []
     for text in texts:
         x = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids.append([int(i) for i in (x["input_ids"] if hasattr(x, "keys") else x)])
+        ids.append([int(i) for i in (x["input_ids"] if hasattr(x, "keys") else x)][: job.get("prompt_cut")])
     extra = epikv.vllm.engine_kwargs(job["policy"], job.get("budget")) if job["policy"] != "plain" else {}
     options = {"enable_prefix_caching": False, **extra}
     if job.get("blocks"):
@@ -59,7 +74,7 @@ def child(job: dict) -> dict:
     llm = LLM(
         model=job["model"],
         dtype=job["dtype"],
-        enforce_eager=True,
+        enforce_eager=job.get("mode", "eager") == "eager",
         block_size=BLOCK,
         max_model_len=job["max_model_len"],
         seed=0,
@@ -89,6 +104,7 @@ def child(job: dict) -> dict:
         **{k: v for k, v in job.items() if k not in ("model", "prompts")},
         "init_s": round(init, 1),
         "wall_s": round(wall, 2),
+        "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1),
         "tokens": sum(generated),
         "tokens_per_s": round(sum(generated) / wall, 2),
         "all_finished": generated == [job["t"]] * job["n"],
@@ -114,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("kind", choices=["throughput", "capacity", "child"])
+    parser.add_argument("kind", choices=["throughput", "capacity", "chat", "child"])
     parser.add_argument("job", nargs="?")
     parser.add_argument("--model", default=None, help="safetensors folder (default: epikv's embedded copy)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -125,6 +141,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="capacity: tokens per request")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--plain-requests", type=int, default=2)
+    parser.add_argument("--modes", default="eager", help="eager, compiled, or eager,compiled")
+    parser.add_argument("--chat-tokens", type=int, default=24, help="chat: new tokens per request")
+    parser.add_argument("--chat-blocks", type=int, default=40, help="chat: usable blocks in the pool")
+    parser.add_argument(
+        "--chat-prompt", type=int, default=40, help="chat: prompts cut to this many tokens (0: whole)"
+    )
     parser.add_argument("--out", required=False)
     args = parser.parse_args()
     if args.kind == "child":
@@ -133,13 +155,18 @@ def main() -> None:
     model = args.model or str(sorted((Path.home() / ".cache/epikv/models").glob("smollm2-135m-*"))[-1])
     token_bytes = 30 * 3 * 64 * 2 * (4 if args.dtype == "float32" else 2)
     base = {"model": model, "prompts": str(PROMPTS), "dtype": args.dtype, "token_bytes": token_bytes}
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(modes) <= {"eager", "compiled"}:
+        parser.error(f"--modes {args.modes!r}: each mode is eager or compiled")
     records = []
+    loads = {"loadavg_start": os.getloadavg()}
     if args.kind == "throughput":
-        for t in (int(x) for x in args.lengths.split(",")):
+        for t, mode in ((int(x), m) for x in args.lengths.split(",") for m in modes):
             for _ in range(args.rounds):
                 for policy in ("plain", args.policy):  # alternating, same layout
                     job = {
                         **base,
+                        "mode": mode,
                         "policy": policy,
                         "budget": args.budget,
                         "n": 16,
@@ -149,13 +176,32 @@ def main() -> None:
                     }
                     records.append(run_child(job))
                     print(json.dumps(records[-1]), flush=True)
+    elif args.kind == "chat":
+        for mode in modes:
+            for policy in ("plain", args.policy):
+                job = {
+                    **base,
+                    "mode": mode,
+                    "policy": policy,
+                    "budget": args.budget,
+                    "n": 16,
+                    "t": args.chat_tokens,
+                    "prompt_cut": args.chat_prompt or None,
+                    "blocks": args.chat_blocks + 1,  # plus vLLM's null block
+                    "max_model_len": 512,
+                }
+                records.append(run_child(job))
+                print(json.dumps(records[-1]), flush=True)
     else:
         blocks = (
             -(-(args.tokens + 256) // BLOCK) + 1
         )  # one full request of prompt + tokens, plus the null block
-        for policy, n in (("plain", args.plain_requests), (args.policy, args.requests)):
+        for mode, (policy, n) in (
+            (m, job) for m in modes for job in (("plain", args.plain_requests), (args.policy, args.requests))
+        ):
             job = {
                 **base,
+                "mode": mode,
                 "policy": policy,
                 "budget": args.budget,
                 "n": n,
@@ -168,6 +214,10 @@ def main() -> None:
     result = {
         "kind": args.kind,
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "threads": os.cpu_count(),
+        **loads,
+        "loadavg_end": os.getloadavg(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "records": records,
     }
