@@ -112,6 +112,18 @@ def test_stop_strings_and_streams_carry_their_counters(server):
     assert len(finishing) == 1 and finishing[0]["kv_transfer_params"] == stopped["kv_transfer_params"]
 
 
+def test_a_streamed_completion_carries_its_counters(server):
+    body = {"model": "smollm2", "prompt": "The three states of water are", "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    plain = httpx.post(server + "/v1/completions", json=body, timeout=300).json()
+    assert plain["kv_transfer_params"]["epikv"]["peak_cache_tokens"] > 0
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finishing = [c for c in chunks if any(ch.get("finish_reason") for ch in c["choices"])]
+    assert len(finishing) == 1 and finishing[0]["kv_transfer_params"] == plain["kv_transfer_params"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+
+
 def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(server):
     system = "You are a careful assistant. " * 10  # two full blocks of 32; Seg-Q@128 protects it
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime."}]

@@ -51,6 +51,9 @@ METHODS: dict[str, dict[str, list[str]]] = {
     "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat": {
         "chat_completion_stream_generator": ["self", "request", "result_generator"],
     },
+    "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion": {
+        "completion_stream_generator": ["self", "request", "engine_inputs", "result_generator"],
+    },
 }
 
 # dataclass / struct -> the fields the plugin reads or writes

@@ -11,8 +11,8 @@ wraps, each keyed by the engine it belongs to (its own ``vllm_config``), never b
 - beam search, refused per request in one line (each beam step is a new request that never evicts);
 - the front end's output processor, so each finished request's counters become Prometheus metrics
   (:mod:`epikv.vllm.metrics`), labelled with the engine's served model name;
-- the OpenAI chat stream, so its chunk with the finish reason carries the request's counters
-  (``kv_transfer_params``, as the non-streamed response does).
+- the OpenAI chat and completion streams, so the chunk with a finish reason carries the request's
+  counters (``kv_transfer_params``, as the non-streamed responses do).
 Without that key nothing changes.
 """
 
@@ -223,36 +223,49 @@ def _after_init(engine: type, latest: type) -> None:
 
 
 def _wrap_chat_stream() -> None:
-    """The streamed chat response's finishing chunk carries ``kv_transfer_params`` (the counters of
-    the request's last output), as vLLM's non-streamed response does."""
-    import json
-
+    """The streamed chat and completion responses: each chunk that finishes a choice carries
+    ``kv_transfer_params`` (the counters of that request's last output), as vLLM's non-streamed
+    responses do."""
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    stream = OpenAIServingChat.chat_completion_stream_generator
+    _tap_stream(OpenAIServingChat, "chat_completion_stream_generator", 1, lambda res: res)
+    # the completion stream's results are (prompt index, output) pairs
+    _tap_stream(OpenAIServingCompletion, "completion_stream_generator", 2, lambda pair: pair[1])
+
+
+def _tap_stream(cls: Any, name: str, position: int, output_of: Any) -> None:
+    """Wrap ``cls.name``, an async generator of SSE chunks whose argument ``position`` (after self)
+    is the engine's result generator: the counters of each finished result go on the next chunk
+    with a finish reason (vLLM emits a result's chunk right after reading it)."""
+    import json
+    from collections import deque
+
+    stream = getattr(cls, name)
 
     @functools.wraps(stream)
-    async def chat_completion_stream_generator(
-        self: Any, request: Any, result_generator: Any, *args: Any, **kwargs: Any
-    ) -> Any:
+    async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _settings(self.engine_client.vllm_config) is None:
-            async for chunk in stream(self, request, result_generator, *args, **kwargs):
+            async for chunk in stream(self, *args, **kwargs):
                 yield chunk
             return
-        final: dict[str, Any] = {}
+        finished: deque[dict[str, Any]] = deque()
+        results = args[position]
 
         async def tap() -> Any:
-            async for res in result_generator:
+            async for item in results:
+                res = output_of(item)
                 if res.finished and res.kv_transfer_params:
-                    final["params"] = res.kv_transfer_params
-                yield res
+                    finished.append(res.kv_transfer_params)
+                yield item
 
-        async for chunk in stream(self, request, tap(), *args, **kwargs):
-            if "params" in final and chunk.startswith("data: {"):
+        args = (*args[:position], tap(), *args[position + 1 :])
+        async for chunk in stream(self, *args, **kwargs):
+            if finished and chunk.startswith("data: {"):
                 data = json.loads(chunk[len("data: ") :])
                 if any(c.get("finish_reason") for c in data.get("choices", ())):
-                    data["kv_transfer_params"] = final.pop("params")
+                    data["kv_transfer_params"] = finished.popleft()
                     chunk = f"data: {json.dumps(data)}\n\n"
             yield chunk
 
-    OpenAIServingChat.chat_completion_stream_generator = chat_completion_stream_generator  # type: ignore[method-assign]
+    setattr(cls, name, wrapped)
