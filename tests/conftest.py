@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epikv.integration.arch import ARCHITECTURES
+from epikv.archs import ARCHITECTURES
 from epikv.models.tiny import tiny_model as build_tiny_model
 from tests.helpers.models import SERVE_MODEL_NAME, make_tiny
 from tests.helpers.tokenizer import CharTokenizer

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from epikv.archs import ARCHITECTURES, HYBRID_PROVEN, PROVEN
 from epikv.cli import build_parser, main
-from epikv.integration.arch import ARCHITECTURES, HYBRID_PROVEN, PROVEN
 from epikv.policies import policy_class, policy_names
 from epikv.spec import parse_policy_params
 

@@ -12,6 +12,7 @@ import textwrap
 BLOCKED = ("transformers", "epikv.integration", "epikv.engine", "epikv.cache.budgeted", "vllm")
 CORE = (
     "epikv.spec",
+    "epikv.archs",
     "epikv.selection",
     "epikv.scoring",
     "epikv.policies",

@@ -174,7 +174,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def _print_models(as_json: bool) -> int:
-    from epikv.integration.arch import ARCHITECTURES, HYBRID_PROVEN, NOT_YET, PROVEN
+    from epikv.archs import ARCHITECTURES, HYBRID_PROVEN, NOT_YET, PROVEN
 
     supported = [
         {

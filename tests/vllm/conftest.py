@@ -47,10 +47,11 @@ def reference(*args: str) -> dict[str, Any]:
 
 
 def reference_run(
-    policy: str, budget: int | None, prompts: list[list[int]], max_tokens: int
+    policy: str, budget: int | None, prompts: list[list[int]], max_tokens: int, model: str | None = None
 ) -> dict[str, Any]:
+    job = {"policy": policy, "budget": budget, "prompts": prompts, "max_tokens": max_tokens, "model": model}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"policy": policy, "budget": budget, "prompts": prompts, "max_tokens": max_tokens}, f)
+        json.dump(job, f)
     try:
         return reference("run", f.name)
     finally:
@@ -105,6 +106,16 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int | list[int], lo
 
 def tokens(outputs: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def kept_sets(trace, count):
+    """Each request's kept positions at every compaction, in request order (ids start with a counter)."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    first = min(int(r["request"].split("-")[0]) for r in rows)
+    out = [[] for _ in range(count)]
+    for r in rows:
+        out[int(r["request"].split("-")[0]) - first].append(r["kept"])
+    return out
 
 
 def agree(a: list[int], b: list[int]) -> int:

@@ -2,9 +2,10 @@
 (``.venv``: transformers 5.24), since vLLM's environment pins an older transformers.
 
 ``python reference.py folder`` prints the embedded model's safetensors folder (made if missing);
-``python reference.py run SPEC.json`` runs the prompts of SPEC (policy, budget, prompts, max_tokens)
-greedily in float32 and prints each request's tokens and the true positions it kept at every
-compaction (first layer group, first head), as one JSON line.
+``python reference.py run SPEC.json`` runs the prompts of SPEC (policy, budget, prompts, max_tokens,
+and optionally ``model``, a saved model folder instead of the embedded model) greedily in float32
+and prints each request's tokens and the true positions it kept at every compaction (first layer
+group, first head), as one JSON line.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def run(spec_path: str) -> dict:
     from epikv.models import load_model
 
     job = json.loads(open(spec_path).read())
-    model, _ = load_model()
+    if job.get("model"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(job["model"], dtype="float32")
+    else:
+        model, _ = load_model()
     model = model.float()
     spec = build_spec(model, job["policy"], job.get("budget"))
     engine = Engine(model, spec)

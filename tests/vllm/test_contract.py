@@ -14,7 +14,7 @@ from vllm.platforms import current_platform
 import epikv.vllm
 from epikv.policies.base import ModelInfo
 from epikv.vllm import pins
-from epikv.vllm.config import EpiKVSettings, Refused, check_engine
+from epikv.vllm.config import QUERY_MODELS, EpiKVSettings, Refused, check_engine
 from epikv.vllm.plugin import register
 
 register()  # as vLLM does in every process: the wrapped methods must still show vLLM's signatures
@@ -166,9 +166,17 @@ def test_models_with_sliding_windows_are_refused():
 
 def test_recomputed_queries_are_refused_on_model_types_not_built():
     c = config()
-    c.model_config.hf_config.model_type = "qwen3"  # query norm: not built in vLLM yet
-    with pytest.raises(Refused, match="recomputes queries"):
+    c.model_config.hf_config.model_type = "gpt_bigcode"  # not in epikv's architecture table
+    with pytest.raises(Refused, match="recomputes queries, built for model types"):
         check_engine(c, SEGQ)
+
+
+def test_the_plugins_query_models_are_the_tables_non_hybrid_entries():
+    from epikv.archs import ARCHITECTURES
+
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3"} <= QUERY_MODELS
+    assert not {"gemma3_text", "gpt_oss", "olmo3", "smollm3", "exaone4"} & QUERY_MODELS  # hybrids
+    assert QUERY_MODELS <= set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "rkv", "thinkv", "raas"])

@@ -4,11 +4,9 @@ depends on positions only, bounded blocks, solo tokens under row churn, and refu
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import agree, close, generate, make_llm, reference_run, tokens, worker_state
+from conftest import agree, close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused
@@ -55,16 +53,6 @@ def streaming(embedded, tmp_path_factory):
     llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("streaming", 64, trace=str(trace)))
     yield llm, trace
     close(llm)
-
-
-def kept_sets(trace, count):
-    """Each request's kept positions at every compaction, in request order (ids start with a counter)."""
-    rows = [json.loads(line) for line in trace.read_text().splitlines()]
-    first = min(int(r["request"].split("-")[0]) for r in rows)
-    out = [[] for _ in range(count)]
-    for r in rows:
-        out[int(r["request"].split("-")[0]) - first].append(r["kept"])
-    return out
 
 
 def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain, full, streaming):

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from epikv.archs import ARCHITECTURES
 from epikv.errors import BudgetOutOfRange
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec, parse_budget
@@ -229,6 +230,12 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
             f"epikv: policy {spec.policy.name!r} recomputes queries, built for model types "
             f"{sorted(QUERY_MODELS)} in vLLM, not {model.hf_config.model_type!r}"
         )
+    if queries and _on_transformers_backend(model):
+        raise Refused(
+            f"epikv: policy {spec.policy.name!r} recomputes queries with vLLM's own attention modules, "
+            f"and {model.hf_config.model_type!r} runs on vLLM's Transformers backend, which has none; "
+            "use a policy without queries (streaming, keydiff, lagkv, random)"
+        )
     if spec.policy.needs().hidden_layers and not _has_aux_hidden_states(model):
         raise Refused(
             f"epikv: policy {spec.policy.name!r} reads hidden states through vLLM's EAGLE-3 aux-hidden-"
@@ -237,7 +244,11 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
         )
 
 
-QUERY_MODELS = {"llama", "mistral", "qwen2"}  # q = rope(q_proj(input_norm(h))), no query norm
+QUERY_MODELS = frozenset(
+    name for name, facts in ARCHITECTURES.items() if not facts.hybrid and not facts.rope_by_layer_type
+)
+"""Model types whose queries the plugin recomputes (:mod:`epikv.vllm.queries`); the hybrids stay
+refused, since the plugin does not compact vLLM's sliding-window groups."""
 
 
 def _has_window(hf: Any) -> bool:
@@ -259,14 +270,27 @@ def _uses_alibi(model: Any) -> bool:
     return kind in ALIBI_MODELS and (kind != "baichuan" or getattr(hf, "num_hidden_layers", 0) >= 40)
 
 
-def _has_aux_hidden_states(model: Any) -> bool:
-    """Whether vLLM's class for the model has the EAGLE-3 aux-hidden-state path (True when the class
-    cannot be resolved here: vLLM then fails on the model itself)."""
+def _model_class(model: Any) -> type | None:
+    """vLLM's class for the model (None when it cannot be resolved here: a stand-in config, or a class
+    vLLM cannot load, which then fails on the model itself: not ours to refuse)."""
     try:
         from vllm.model_executor.models import ModelRegistry
-        from vllm.model_executor.models.interfaces import supports_eagle3
 
         cls, _ = ModelRegistry.resolve_model_cls(model.architectures, model)
-    except Exception:  # a stand-in config, or a class vLLM cannot load: not ours to refuse
-        return True
-    return bool(supports_eagle3(cls))
+    except Exception:
+        return None
+    return cls
+
+
+def _on_transformers_backend(model: Any) -> bool:
+    cls = _model_class(model)
+    return cls is not None and cls.__module__.startswith("vllm.model_executor.models.transformers")
+
+
+def _has_aux_hidden_states(model: Any) -> bool:
+    """Whether vLLM's class for the model has the EAGLE-3 aux-hidden-state path (True when the class
+    cannot be resolved here)."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    cls = _model_class(model)
+    return cls is None or bool(supports_eagle3(cls))

@@ -1,8 +1,11 @@
 """Recent queries recomputed with vLLM's own modules (Seg-Q), never read from its attention kernel.
 
-For the Llama family (``config.QUERY_MODELS``): a layer's query is RoPE(q_proj(input_norm(h))) at the
-token's true position, with h the residual stream entering the layer (the previous layer's output,
-which the policy keeps). vLLM fuses q, k and v into one projection; the q slice is taken.
+A layer's query is RoPE(q_norm(q_proj(input_norm(h)))) at the token's true position, with h the
+residual stream entering the layer (the previous layer's output, which the policy keeps). vLLM fuses
+q, k and v into one projection (``qkv_proj``) in every model type built here; the q slice is taken.
+Which steps a model type has (its input norm, a query norm per head or over all heads) comes from the
+one architecture table, :data:`epikv.archs.ARCHITECTURES`, that epikv's own engine reads too. The
+rotary embedding is vLLM's module of that layer, so partial RoPE (Phi-3) needs nothing here.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from typing import Any
 
 import torch
 
+from epikv.archs import ARCHITECTURES
 
-def query_projector(model: Any) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
+
+def query_projector(model: Any, model_type: str) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
     """``project(layer, hidden (B, W, hidden), positions (B, W)) -> (B, Hq, W, D)`` post-RoPE queries."""
+    facts = ARCHITECTURES[model_type]
     layers = model.model.layers
 
     def project(layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -23,10 +29,17 @@ def query_projector(model: Any) -> Callable[[int, torch.Tensor, torch.Tensor], t
         b, w, size = hidden.shape
         weight = attn.qkv_proj.weight
         with torch.no_grad():
-            x = decoder.input_layernorm(hidden.reshape(b * w, size).to(weight.dtype))
+            x = hidden.reshape(b * w, size).to(weight.dtype)
+            if facts.input_norm is not None:
+                x = getattr(decoder, facts.input_norm)(x)
             qkv, _ = attn.qkv_proj(x)
             q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            norm = getattr(attn, facts.q_norm, None) if facts.q_norm is not None else None
+            if norm is not None and facts.q_norm_whole:
+                q = norm(q)
+            elif norm is not None:
+                q = norm(q.reshape(b * w, -1, attn.head_dim)).reshape(q.shape)
             q, _ = attn.rotary_emb(positions.reshape(-1).long(), q.contiguous(), k.contiguous())
-        return q.reshape(b, w, attn.num_heads, attn.head_dim).transpose(1, 2)
+        return q.reshape(b, w, -1, attn.head_dim).transpose(1, 2)
 
     return project

@@ -80,7 +80,10 @@ class EpiKVRunnerMixin:
         paged = PagedKV(pages, probe_layout(write, block, head_dim, pages[0].dtype))
         store = SlotStore(paged, self.epikv.spec, self.epikv.model, pages[0].shape[0] * block)
         if self.epikv.spec.policy.needs().query_layer is not None:
-            store.project_queries = query_projector(self.model)  # type: ignore[attr-defined]
+            store.project_queries = query_projector(
+                self.model,
+                self.model_config.hf_config.model_type,  # type: ignore[attr-defined]
+            )  # type: ignore[attr-defined]
         self.epikv.store, self.epikv.block_size = store, block
 
     def _update_states(self, scheduler_output: Any) -> Any:

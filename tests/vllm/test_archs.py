@@ -1,0 +1,123 @@
+"""The plugin on the model types of epikv's architecture table that vLLM's CPU backend runs beside
+Llama (which the embedded model covers): Qwen2 (q/k/v with biases), Mistral, Qwen3 and Qwen3-MoE (a
+query norm per head), Phi-3 (fused qkv, partial RoPE), GLM-4.5 (no aux-hidden-state path in vLLM),
+OLMo-2 and Seed-OSS (vLLM's Transformers backend). Each is epikv's tiny model of that type
+(:mod:`epikv.models.tiny`) with heads of 32 and weights drawn at std 0.2, so logits are far from flat
+and token comparisons mean something. Per type: ``full`` under the plugin gives plain vLLM's tokens;
+``streaming`` keeps exactly epikv's engine's position sets at every compaction; Seg-Q stays within
+its cap and its recomputed queries equal the ones vLLM's attention receives, or is refused at
+start-up with the reason. The hybrids (sliding-window layers) are refused (``test_contract.py``)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
+
+import epikv.vllm
+from epikv.vllm.config import Refused
+
+N = 40  # new tokens per request
+K = 24  # streaming's budget: every request evicts
+QUERIES = ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")  # vLLM's class has the aux-hidden-state path
+NO_QUERIES = ("glm4_moe", "olmo2", "seed_oss")  # Seg-Q refused: no aux-hidden-state path (GLM-4.5) or
+TRANSFORMERS_BACKEND = ("olmo2", "seed_oss")  # vLLM runs them by its Transformers backend: no qkv_proj
+VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "num_hidden_layers": 3}
+"""epikv's tiny shape, with heads of 32 (vLLM's CPU attention has no kernel for 16) and 3 layers."""
+
+
+def _build(kind: str, folder, tokenizer_folder: str) -> None:
+    from transformers import AutoTokenizer
+
+    from epikv.models.tiny import tiny_model
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_folder))
+    # weights at std 0.2 (biases too: Qwen2's q/k/v), so logits are far from flat
+    model = tiny_model(
+        kind, vocab_size=vocab, initializer_range=0.2, max_position_embeddings=512, **VLLM_SHAPE
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = f"{tokenizer_folder}/{name}"
+        try:
+            shutil.copy(source, folder / name)
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture(scope="module", params=QUERIES + NO_QUERIES)
+def arch(request, embedded, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    _build(request.param, folder, embedded["folder"])
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
+    return request.param, str(folder), prompts
+
+
+def _llm(folder: str, **kwargs):
+    return make_llm(folder, max_model_len=512, **kwargs)
+
+
+def test_full_under_the_plugin_gives_plain_vllm_tokens(arch):
+    _, folder, prompts = arch
+    plain = _llm(folder)
+    expected = tokens(generate(plain, prompts, N))
+    close(plain)
+    llm = _llm(folder, **epikv.vllm.engine_kwargs("full"))
+    got = tokens(generate(llm, prompts, N))
+    close(llm)
+    assert got == expected
+    assert len({tuple(t) for t in expected}) == len(prompts)  # not one flat answer for every prompt
+
+
+def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(arch, tmp_path):
+    _, folder, prompts = arch
+    trace = tmp_path / "kept.jsonl"
+    llm = _llm(folder, **epikv.vllm.engine_kwargs("streaming", K, trace=str(trace)))
+    out = generate(llm, prompts, N)
+    close(llm)
+    ref = reference_run("streaming", K, prompts, N, model=folder)
+    ours = kept_sets(trace, len(prompts))
+    for i, prompt in enumerate(prompts):
+        # one per step once over K; a prompt longer than K is held whole, then cut once at its end
+        assert len(ours[i]) == len(ref["kept"][i]) == min(N, len(prompt) + N - 1 - K)
+        assert ours[i] == ref["kept"][i], f"request {i}: kept sets differ from epikv's engine"
+    peaks = [o.kv_transfer_params["epikv"]["peak_cache_tokens"] for o in out]
+    assert peaks == [max(len(p), K + 1) for p in prompts]
+
+
+def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
+    kind, folder, prompts = arch
+    if kind in NO_QUERIES:  # Seg-Q reads the residual stream through that path: refused at start-up
+        why = "Transformers backend" if kind in TRANSFORMERS_BACKEND else "aux-hidden-state path"
+        with pytest.raises(Refused, match=why):
+            _llm(folder, **epikv.vllm.engine_kwargs("epikv", 48, interval=8))
+        return
+    llm = _llm(folder, **epikv.vllm.engine_kwargs("epikv", 48, interval=8))
+    state = worker_state(llm)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    layer = state.spec.policy.query_layer
+    decoder = runner.model.model.layers[layer]
+    seen = {}
+    hooks = [
+        decoder.register_forward_pre_hook(
+            lambda m, args: seen.update(h=args[1] if args[2] is None else args[1] + args[2], pos=args[0])
+        ),
+        decoder.self_attn.attn.register_forward_pre_hook(lambda m, args: seen.update(q=args[0])),
+    ]
+    out = generate(llm, prompts, N)
+    for hook in hooks:
+        hook.remove()
+    mine = state.store.project_queries(layer, seen["h"][None].float(), seen["pos"][None])[0]  # (Hq, T, D)
+    theirs = seen["q"].reshape(seen["q"].shape[0], mine.shape[0], -1).transpose(0, 1)
+    close(llm)
+    torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-5, rtol=1e-5)
+    counters = [o.kv_transfer_params["epikv"] for o in out]
+    assert all(c["peak_cache_tokens"] <= 48 + 8 for c in counters)
+    assert sum(c["evictions"] for c in counters) > 0
