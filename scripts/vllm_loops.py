@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ PARTS = ROOT / "docs/results/loops/fp32/loops-parts"
 CELLS = {"epikv@192": ("epikv", 192, 192), "full": ("full", None, 64)}
 BLOCK = 32
 FP32_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x 4 bytes
+VLLM_PYTHON = ROOT / ".venv-vllm/bin/python"  # runs the cells; the comparison runs where math-verify is
 MAX_MODEL_LEN = 1408  # the longest prompt (371) + the cap (1,024), in whole blocks
 log = logging.getLogger("vllm_loops")
 
@@ -67,11 +67,9 @@ def study_inputs(cell: str) -> dict[str, Any]:
     for dataset, b, batch in work:
         mine = cell_print(fingerprint_of([p.key for p in batch], settings), specs[cell])
         stored = json.loads((PARTS / dataset / f"b{b:02d}" / f"{cell}.json").read_text())["fingerprint"]
-        checks.append(
-            {"dataset": dataset, "batch": b, "vllm": mine, "engine": stored, "equal": mine == stored}
-        )
+        checks.append(dict(dataset=dataset, batch=b, vllm=mine, engine=stored, equal=mine == stored))
     return {
-        "work": work, "tokenizer": tokenizer, "stop": stop, "settings": settings,
+        "work": work, "stop": stop, "settings": settings,
         "engine_spec": specs[cell].config(), "fingerprints": checks, "max_new_tokens": config.max_new_tokens,
     }  # fmt: skip
 
@@ -102,9 +100,7 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
     bad = [c for c in inputs["fingerprints"] if not c["equal"]]
     if bad:
         raise SystemExit(f"{cell}: prompts or settings differ from the engine's parts: {bad}")
-    log.info(
-        "%s: prompts and settings equal the engine's in all %d batches", cell, len(inputs["fingerprints"])
-    )
+    log.info("%s: prompts and settings equal the engine's in all %d batches", cell, len(inputs["work"]))
     gc.collect()
     kwargs = epikv.vllm.engine_kwargs(policy, budget)
     options = {
@@ -151,17 +147,11 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
     by_index = dict(zip(todo, outs, strict=True))
     records = []
     for n, (dataset, b, i, p) in enumerate(problems):
-        head = {
-            "dataset": dataset,
-            "id": p.example.id,
-            "batch": b,
-            "index": i,
-            "prompt_tokens": len(p.prompt),
-        }
+        head = dict(dataset=dataset, id=p.example.id, batch=b, index=i, prompt_tokens=len(p.prompt))
         if n in refused:
             records.append({**head, "skipped": refused[n], "vllm_refusal": refusal(llm, p.prompt, params)})
             continue
-        records.append({**head, **record(by_index[n], p, inputs["tokenizer"])})
+        records.append({**head, **record(by_index[n])})
     doc = {
         "cell": cell,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -169,14 +159,10 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
         "threads": torch.get_num_threads(),
         "vllm": vllm.__version__,
         "git": git_state(),
-        "command": f".venv-vllm/bin/python scripts/vllm_loops.py --out {out}",
+        "command": f".venv/bin/python scripts/vllm_loops.py --out {out}",  # this cell in .venv-vllm
         "engine_kwargs": kwargs,
         "llm_options": options,
-        "sampling": {
-            "temperature": 0,
-            "max_tokens": inputs["max_new_tokens"],
-            "stop_token_ids": inputs["stop"],
-        },
+        "sampling": {"temperature": 0, "max_tokens": params.max_tokens, "stop_token_ids": inputs["stop"]},
         "spec": spec.config() if spec is not None else None,
         "engine_spec": inputs["engine_spec"],
         "spec_equal": spec is not None and spec.config() == inputs["engine_spec"],
@@ -196,20 +182,23 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
     llm.llm_engine.engine_core.shutdown()
 
 
-def record(output: Any, problem: Any, tokenizer: Any) -> dict[str, Any]:
-    """One generation as the study keeps it (graded by the task, as :mod:`epikv.bench.loops.runs`
-    does), with the plugin's counters; vLLM's ``stop`` (a stop id) is the engine's ``eos``."""
+def record(output: Any) -> dict[str, Any]:
+    """One generation's tokens and the plugin's counters (graded later, in ``.venv``, which has the
+    MATH grader); vLLM's ``stop`` (a stop id) is the engine's ``eos``."""
     done = output.outputs[0]
-    tokens = list(done.token_ids)
-    grade = problem.task.evaluate(problem.example, tokenizer.decode(tokens, skip_special_tokens=True))
     counters = (output.kv_transfer_params or {}).get("epikv") or {}
     return {
-        "token_ids": tokens,
+        "token_ids": list(done.token_ids),
         "finish_reason": {"stop": "eos"}.get(done.finish_reason, done.finish_reason),
-        "correct": grade.correct,
-        "extracted": grade.extracted,
         **{k: counters.get(k) for k in ("evictions", "compactions", "peak_cache_tokens")},
     }
+
+
+def graded(result: dict[str, Any], problem: Any, tokenizer: Any) -> dict[str, Any]:
+    """``result`` graded by its task, as :mod:`epikv.bench.loops.runs` grades the engine's."""
+    text = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+    grade = problem.task.evaluate(problem.example, text)
+    return {**result, "correct": grade.correct, "extracted": grade.extracted}
 
 
 def refusal(llm: Any, prompt: tuple[int, ...], params: Any) -> str:
@@ -247,7 +236,7 @@ def engine_records(cell: str) -> dict[tuple[str, int, int], dict[str, Any]]:
     return found
 
 
-def compare_cell(cell: str, out: Path, loops: Any, numbers: frozenset[int]) -> dict[str, Any]:
+def compare_cell(cell: str, out: Path, loops: Any, numbers: frozenset[int], study: Any) -> dict[str, Any]:
     """The vLLM run of ``cell`` against the engine's, problem by problem and by the study's tests."""
     from epikv.bench.loops.summary import cell_facts, cell_row, paired_row, problem_facts
     from epikv.bench.shared import stats
@@ -263,6 +252,8 @@ def compare_cell(cell: str, out: Path, loops: Any, numbers: frozenset[int]) -> d
         vllm_rec = {
             k: v for k, v in r.items() if k not in ("dataset", "id", "batch", "index", "vllm_refusal")
         }
+        if "skipped" not in r:
+            vllm_rec = graded(vllm_rec, study["problems"][key], study["tokenizer"])
         cells = {"full": engine_full[key], cell: theirs, name: vllm_rec}
         raw = {"dataset": r["dataset"], "id": r["id"], "prompt_tokens": r["prompt_tokens"], "cells": cells}
         problems.append(problem_facts(raw, loops, numbers))
@@ -351,14 +342,17 @@ def describe(values: list[int]) -> dict[str, Any] | None:
 
 
 def compare(out: Path, cells: list[str]) -> None:
+    from epikv.bench.loops.study import _batches
     from epikv.bench.shared import model_loading
     from epikv.eval.loops import number_token_ids
 
     _, tokenizer = model_loading.load_bench_model(None, "cpu", "float32")
     loops, numbers = study_config().loop_config(), number_token_ids(tokenizer)
-    found = {
-        cell: compare_cell(cell, out, loops, numbers) for cell in cells if (out / f"{cell}.json").is_file()
-    }
+    work = _batches(study_config(), tokenizer)
+    problems = {(d, b, i): p for d, b, batch in work for i, p in enumerate(batch)}
+    study = {"problems": problems, "tokenizer": tokenizer}
+    done = [cell for cell in cells if (out / f"{cell}.json").is_file()]
+    found = {cell: compare_cell(cell, out, loops, numbers, study) for cell in done}
     (out / "compare.json").write_text(json.dumps(found, indent=1) + "\n")
     for cell, c in found.items():
         brief = {k: v for k, v in c.items() if k not in ("per_problem", "engine", "vllm")}
@@ -389,7 +383,7 @@ def main() -> None:
         if (out / f"{cell}.json").is_file():
             log.info("%s: done already (%s)", cell, out / f"{cell}.json")
             continue
-        command = [sys.executable, __file__, "--out", str(out), "--cells", cell, "--child", cell]
+        command = [str(VLLM_PYTHON), __file__, "--out", str(out), "--cells", cell, "--child", cell]
         command += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
         command += ["--limit", str(args.limit)] if args.limit else []
         if subprocess.run(command, check=False).returncode:
