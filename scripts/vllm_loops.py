@@ -1,7 +1,8 @@
 """The loop study's float32 cells through vLLM with the epikv plugin, against epikv's own engine
-(issue 35 item 3, docs/vllm-quality.md). Run in vLLM's environment (``.venv-vllm``):
+(issue 35 item 3, docs/vllm-quality.md). The cells run in vLLM's environment (``.venv-vllm``, a
+child process each); the comparison grades MATH answers, so run the script from ``.venv``:
 
-  .venv-vllm/bin/python scripts/vllm_loops.py --out docs/results/vllm/loops
+  OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python scripts/vllm_loops.py
 
 For each cell (``epikv@192``: Seg-Q at K = 192; ``full``: no eviction, the control) the problems,
 prompt ids, cap and stop ids are the study's own (:mod:`epikv.bench.loops.study`), checked against
