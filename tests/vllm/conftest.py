@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,36 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = Path(os.environ.get("EPIKV_REFERENCE_PYTHON", ROOT / ".venv" / "bin" / "python"))
 BLOCK = 32
 FP32_TOKEN_BYTES = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K + V) x 4 bytes
+
+
+VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "num_hidden_layers": 3}
+"""epikv's tiny shape, with heads of 32 (vLLM's CPU attention has no kernel for 16) and 3 layers."""
+
+
+def build_tiny(kind: str, folder: Path, tokenizer_folder: str) -> None:
+    """epikv's tiny random model of ``kind`` saved in ``folder`` with the embedded model's tokenizer
+    (so its vocabulary): heads of 32, weights at std 0.2 (biases too: Qwen2's q/k/v), so logits are
+    far from flat and token comparisons mean something."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from epikv.models.tiny import tiny_model
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_folder))
+    model = tiny_model(
+        kind, vocab_size=vocab, initializer_range=0.2, max_position_embeddings=512, **VLLM_SHAPE
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = f"{tokenizer_folder}/{name}"
+        try:
+            shutil.copy(source, folder / name)
+        except FileNotFoundError:
+            pass
 
 
 def reference(*args: str) -> dict[str, Any]:
@@ -108,13 +139,14 @@ def tokens(outputs: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def kept_sets(trace, count):
-    """Each request's kept positions at every compaction, in request order (ids start with a counter)."""
-    rows = [json.loads(line) for line in trace.read_text().splitlines()]
-    first = min(int(r["request"].split("-")[0]) for r in rows)
-    out = [[] for _ in range(count)]
-    for r in rows:
-        out[int(r["request"].split("-")[0]) - first].append(r["kept"])
+def kept_sets(trace: Path, outputs: Any) -> list[list[list[int]]]:
+    """Each request's kept positions at every compaction, in the order of ``outputs`` (vLLM's
+    request outputs): a trace row's internal id starts with the output's request id."""
+    index = {o.request_id: i for i, o in enumerate(outputs)}
+    out: list[list[list[int]]] = [[] for _ in index]
+    for line in trace.read_text().splitlines():
+        row = json.loads(line)
+        out[index[row["request"].split("-")[0]]].append(row["kept"])
     return out
 
 

@@ -10,11 +10,9 @@ start-up with the reason. The hybrids (sliding-window layers) are refused (``tes
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from conftest import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
+from conftest import build_tiny, close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused
@@ -24,37 +22,12 @@ K = 24  # streaming's budget: every request evicts
 QUERIES = ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")  # vLLM's class has the aux-hidden-state path
 NO_QUERIES = ("glm4_moe", "olmo2", "seed_oss")  # Seg-Q refused: no aux-hidden-state path (GLM-4.5) or
 TRANSFORMERS_BACKEND = ("olmo2", "seed_oss")  # vLLM runs them by its Transformers backend: no qkv_proj
-VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "num_hidden_layers": 3}
-"""epikv's tiny shape, with heads of 32 (vLLM's CPU attention has no kernel for 16) and 3 layers."""
-
-
-def _build(kind: str, folder, tokenizer_folder: str) -> None:
-    from transformers import AutoTokenizer
-
-    from epikv.models.tiny import tiny_model
-
-    vocab = len(AutoTokenizer.from_pretrained(tokenizer_folder))
-    # weights at std 0.2 (biases too: Qwen2's q/k/v), so logits are far from flat
-    model = tiny_model(
-        kind, vocab_size=vocab, initializer_range=0.2, max_position_embeddings=512, **VLLM_SHAPE
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        source = f"{tokenizer_folder}/{name}"
-        try:
-            shutil.copy(source, folder / name)
-        except FileNotFoundError:
-            pass
 
 
 @pytest.fixture(scope="module", params=QUERIES + NO_QUERIES)
 def arch(request, embedded, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    _build(request.param, folder, embedded["folder"])
+    build_tiny(request.param, folder, embedded["folder"])
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
     return request.param, str(folder), prompts
@@ -83,7 +56,7 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(arch, tmp_path)
     out = generate(llm, prompts, N)
     close(llm)
     ref = reference_run("streaming", K, prompts, N, model=folder)
-    ours = kept_sets(trace, len(prompts))
+    ours = kept_sets(trace, out)
     for i, prompt in enumerate(prompts):
         # one per step once over K; a prompt longer than K is held whole, then cut once at its end
         assert len(ours[i]) == len(ref["kept"][i]) == min(N, len(prompt) + N - 1 - K)

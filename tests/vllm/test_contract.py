@@ -108,7 +108,7 @@ STREAMING = EpiKVSettings("streaming", 64).spec(MODEL)
         (STREAMING, {"cache_config__enable_prefix_caching": True}, "prefix caching is on"),
         (STREAMING, {"vllm__speculative_config": object()}, "speculative decoding"),
         (STREAMING, {"parallel_config__pipeline_parallel_size": 2}, "pipeline parallelism"),
-        (STREAMING, {"parallel_config__tensor_parallel_size": 2}, "tensor parallelism"),
+        (STREAMING, {"parallel_config__tensor_parallel_size": 2}, "does not divide the model's 9 KV heads"),
         (STREAMING, {"cache_config__cache_dtype": "fp8"}, "fp8"),
         (STREAMING, {"model_config__use_mla": True}, "latent attention"),
         (STREAMING, {"scheduler_config__async_scheduling": True}, "async scheduling"),

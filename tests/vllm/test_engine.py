@@ -60,7 +60,7 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(embedded, plain
     trace.write_text("")
     out = generate(llm, embedded["prompts"], N)
     ref = reference_run("streaming", 64, embedded["prompts"], N)
-    ours = kept_sets(trace, len(embedded["prompts"]))
+    ours = kept_sets(trace, out)
     for i, prompt in enumerate(embedded["prompts"]):
         # one per step once over K (the last chosen token is never fed back)
         assert len(ours[i]) == len(ref["kept"][i]) == len(prompt) + N - 1 - 64
@@ -153,7 +153,7 @@ def test_key_and_value_scored_policies_keep_epikvs_sets_while_tokens_agree(
     out = generate(llm, embedded["prompts"], N)
     close(llm)
     ref = reference_run(policy, 64, embedded["prompts"], N)
-    ours = kept_sets(trace, len(embedded["prompts"]))
+    ours = kept_sets(trace, out)
     for i in range(len(embedded["prompts"])):
         baseline = agree(tokens(plain)[i], full["tokens"][i])
         assert baseline >= N // 2  # fp32: the two engines' full caches agree that long at least

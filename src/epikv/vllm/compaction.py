@@ -23,6 +23,19 @@ QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 _LAST = torch.iinfo(torch.int32).max
 
 
+@dataclass(frozen=True)
+class HeadShards:
+    """Tensor parallelism: this rank's pages hold the model's KV heads ``lo..hi-1``. ``gather(t, dim)``
+    joins every rank's heads of ``t`` along ``dim`` in rank order; ``share(t)`` gives every rank the
+    first rank's ``t``. Policies score whole heads (K/V and queries gathered), so every rank scores
+    as one device would, and every rank keeps the first rank's choice: the same positions everywhere."""
+
+    lo: int
+    hi: int
+    gather: Callable[[torch.Tensor, int], torch.Tensor]
+    share: Callable[[torch.Tensor], torch.Tensor]
+
+
 class SlotStore:
     """What the pool keeps beside each global slot: its true position and the policy's per-token
     values, (G, H, slots) each, with G and H the policy's granularity (1 for a global mask)."""
@@ -36,6 +49,7 @@ class SlotStore:
         self.buffers: dict[str, torch.Tensor] = {}
         self.num_slots = num_slots
         self.project_queries: QueryProjector | None = None
+        self.shards: HeadShards | None = None  # set by the runner under tensor parallelism
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """New tokens at global ``slots`` (T,) with true ``positions`` (T,)."""
@@ -99,13 +113,21 @@ class PagedView:
 
     def _head_slots(self, layer: int) -> torch.Tensor:
         s = self.view_slots[self._group(layer)]  # (B, H or 1, L)
+        shards = self._store.shards
+        if shards is not None and s.shape[1] > 1:  # per-head order: this rank's heads only
+            s = s[:, shards.lo : shards.hi]
         return s.expand(-1, self._store.paged.num_heads, -1)
 
+    def _whole(self, part: torch.Tensor) -> torch.Tensor:
+        """(B, this rank's heads, ...) -> (B, every head, ...)."""
+        shards = self._store.shards
+        return part if shards is None else shards.gather(part.contiguous(), 1)
+
     def keys(self, layer: int) -> torch.Tensor:
-        return self._store.paged.keys(layer, self._head_slots(layer)).float()
+        return self._whole(self._store.paged.keys(layer, self._head_slots(layer)).float())
 
     def values(self, layer: int) -> torch.Tensor:
-        return self._store.paged.values(layer, self._head_slots(layer)).float()
+        return self._whole(self._store.paged.values(layer, self._head_slots(layer)).float())
 
     def positions(self, layer: int | None = None) -> torch.Tensor:
         return self.sorted_positions[self._group(self.layers[0] if layer is None else layer)]
@@ -113,7 +135,7 @@ class PagedView:
     def project_queries(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._store.project_queries is None:
             raise RuntimeError("epikv: this model cannot recompute queries in vLLM")
-        return self._store.project_queries(layer, hidden, positions)
+        return self._whole(self._store.project_queries(layer, hidden, positions))
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,8 @@ def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> C
     """Score ``view``'s rows with the policy, keep by the spec's rule, and fill each row's holes below
     its kept count with the kept tokens above it (keys, values, positions, buffers)."""
     scores = spec.policy.score(state, view)
+    if store.shards is not None:
+        scores = store.shards.share(scores.contiguous())
     b = view.slots.shape[0]
     sel = spec.select(
         scores, view.sorted_positions, view.prompt_len, view.seen, view.valid, [view.budget] * b
@@ -151,7 +175,12 @@ def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> C
     groups = movers[:, 0] if store.groups > 1 else None
     heads = movers[:, 2] if store.heads > 1 else None
     layers = None if groups is None else torch.tensor(store.model.cache_layers)[groups]
-    store.paged.move(src, dst, layers, heads)
+    if store.shards is not None and heads is not None:  # this rank moves its own heads' tokens
+        mine = (heads >= store.shards.lo) & (heads < store.shards.hi)
+        local = None if layers is None else layers[mine]
+        store.paged.move(src[mine], dst[mine], local, heads[mine] - store.shards.lo)
+    else:
+        store.paged.move(src, dst, layers, heads)
     store.copy(src, dst, groups, heads)
     kept_positions = view.sorted_positions[0, :, 0].gather(-1, sel.index[0, :, 0])
     rows = [kept_positions[r, : int(sel.kept[r])].tolist() for r in range(b)]

@@ -165,6 +165,7 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
     hf = model.hf_text_config
     evicts, queries = spec.evicts, spec.policy.needs().query_layer is not None
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     checks = [
         (
             not current_platform.is_cpu(),
@@ -180,9 +181,11 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
         (vllm_config.speculative_config is not None, "speculative decoding is not supported"),
         (parallel.pipeline_parallel_size > 1, "pipeline parallelism is not supported"),
         (
-            parallel.tensor_parallel_size > 1,
-            "tensor parallelism is not built yet (docs/vllm.md); "
-            "use data parallelism (--data-parallel-size) for more replicas",
+            (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+            % parallel.tensor_parallel_size
+            != 0,
+            f"tensor parallelism {parallel.tensor_parallel_size} does not divide the model's {kv_heads} KV "
+            "heads: vLLM would replicate heads across ranks, which the plugin does not gather",
         ),
         (
             str(cache.cache_dtype) != "auto",

@@ -51,6 +51,10 @@ METHODS: dict[str, dict[str, list[str]]] = {
     "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat": {
         "chat_completion_stream_generator": ["self", "request", "result_generator"],
     },
+    "vllm.distributed.parallel_state:GroupCoordinator": {  # called, not overridden (tensor parallelism)
+        "all_gather": ["self", "input_", "dim"],
+        "broadcast": ["self", "input_", "src"],
+    },
     "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion": {
         "completion_stream_generator": ["self", "request", "engine_inputs", "result_generator"],
     },

@@ -18,13 +18,14 @@ from unittest import mock
 import numpy as np
 import torch
 from vllm import _custom_ops as ops
+from vllm.distributed import get_tp_group
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from epikv.vllm.compaction import SlotStore
+from epikv.vllm.compaction import HeadShards, SlotStore
 from epikv.vllm.config import EpiKVSettings, Refused, check_engine, model_info
 from epikv.vllm.paged import PagedKV, probe_layout
 from epikv.vllm.queries import query_projector
@@ -47,7 +48,7 @@ class EpiKVRunnerMixin:
         model = model_info(vllm_config)
         spec = settings.spec(model)
         check_engine(vllm_config, spec)
-        self.epikv = EpiKVWorkerState(settings, spec, model)
+        self.epikv = EpiKVWorkerState(settings, spec, model, trace=get_tp_group().rank_in_group == 0)
         if self.epikv.aux_layers:
             self.use_aux_hidden_state_outputs = True
 
@@ -84,6 +85,11 @@ class EpiKVRunnerMixin:
                 self.model,
                 self.model_config.hf_config.model_type,  # type: ignore[attr-defined]
             )  # type: ignore[attr-defined]
+        tp = get_tp_group()
+        if tp.world_size > 1:
+            lo = tp.rank_in_group * paged.num_heads
+            share = lambda t: tp.broadcast(t, 0)  # noqa: E731
+            store.shards = HeadShards(lo, lo + paged.num_heads, tp.all_gather, share)
         self.epikv.store, self.epikv.block_size = store, block
 
     def _update_states(self, scheduler_output: Any) -> Any:

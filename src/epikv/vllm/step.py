@@ -70,7 +70,9 @@ class StepBatch:
 class EpiKVWorkerState:
     """The plugin's state in one worker: the spec, the requests' books and state, the slot store."""
 
-    def __init__(self, settings: EpiKVSettings, spec: CacheSpec, model: ModelInfo) -> None:
+    def __init__(
+        self, settings: EpiKVSettings, spec: CacheSpec, model: ModelInfo, trace: bool = True
+    ) -> None:
         self.settings, self.spec, self.model = settings, spec, model
         self.cap = spec.cap_tokens(0)  # K + tau: what a request with a prompt of at most K holds
         hidden = spec.policy.needs().hidden_layers
@@ -82,7 +84,8 @@ class EpiKVWorkerState:
         # req_id -> (peak physical tokens, tokens evicted, compactions, budget) after this step
         self.report: dict[str, tuple[int, int, int, int | None]] = {}
         self.faults: dict[str, str] = {}  # req_id -> why, this step (the scheduler fails them)
-        self._trace = open(settings.trace, "a") if settings.trace else None
+        # one trace per engine: under tensor parallelism the first rank writes it (all keep the same)
+        self._trace = open(settings.trace, "a") if settings.trace and trace else None
 
     @property
     def evicts(self) -> bool:

@@ -1,0 +1,76 @@
+"""Tensor parallelism: tp = 2 on this CPU (one core bound to each rank, ``VLLM_CPU_OMP_THREADS_BIND``),
+on epikv's tiny Llama (4 query heads over 2 KV heads, so each rank holds one KV head).
+
+Each rank's pages hold its own heads; at a compaction the policy scores whole heads (keys, values and
+recomputed queries gathered across ranks), every rank takes the first rank's scores, and each moves
+its own heads' tokens with the same kept indices (``epikv.vllm.compaction.HeadShards``). Proven here:
+plain vLLM's tp = 2 gives its tp = 1 tokens on this model (so tp = 1 is the reference); ``full`` under
+the plugin at tp = 2 gives plain vLLM's tp = 2 tokens; for ``streaming`` (positions only), ``epikv``
+(Seg-Q: key variance over every head, queries recomputed per rank and gathered) and ``keydiff`` (per
+head: each rank moves its own head), the kept position sets at every compaction, the tokens and the
+counters at tp = 2 equal tp = 1's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import build_tiny, close, generate, kept_sets, make_llm, tokens
+
+import epikv.vllm
+
+N = 48
+
+
+@pytest.fixture(scope="module")
+def tiny(embedded, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp-llama")
+    build_tiny("llama", folder, embedded["folder"])
+    gen = torch.Generator().manual_seed(2)
+    return str(folder), [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 24)]
+
+
+def run(tiny: Any, tp: int, policy: str | None = None, budget: int | None = None, **settings: Any):
+    folder, prompts = tiny
+    kwargs = {} if policy is None else epikv.vllm.engine_kwargs(policy, budget, **settings)
+    if tp > 1:
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if tp > 1 else "auto")
+        llm = make_llm(folder, max_model_len=512, **kwargs)
+        out = generate(llm, prompts, N)
+        close(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    return {tp: tokens(run(tiny, tp)) for tp in (1, 2)}
+
+
+def test_plain_vllm_at_tp2_gives_its_tp1_tokens_on_this_model(tiny, plain):
+    assert plain[2] == plain[1]
+    assert len({tuple(t) for t in plain[1]}) == len(tiny[1])  # not one flat answer for every prompt
+
+
+def test_full_under_the_plugin_at_tp2_gives_plain_vllms_tp2_tokens(tiny, plain):
+    assert tokens(run(tiny, 2, "full")) == plain[2]
+
+
+@pytest.mark.parametrize(
+    ("policy", "budget", "interval"), [("streaming", 24, 1), ("epikv", 40, 8), ("keydiff", 40, 8)]
+)
+def test_every_rank_keeps_tp1s_positions_at_every_compaction(tiny, tmp_path, policy, budget, interval):
+    kept, toks, counters = {}, {}, {}
+    for tp in (1, 2):
+        trace = tmp_path / f"tp{tp}.jsonl"
+        out = run(tiny, tp, policy, budget, interval=interval, trace=str(trace))
+        kept[tp], toks[tp] = kept_sets(trace, out), tokens(out)
+        counters[tp] = [o.kv_transfer_params["epikv"] for o in out]
+    assert sum(len(sets) for sets in kept[1]) >= len(tiny[1])  # every request compacted
+    assert kept[2] == kept[1]
+    assert toks[2] == toks[1]
+    assert counters[2] == counters[1]
+    for c, prompt in zip(counters[2], tiny[1], strict=True):
+        assert c["peak_cache_tokens"] <= max(len(prompt), budget) + interval
