@@ -41,6 +41,18 @@ def test_each_overridden_or_wrapped_method_keeps_its_parameters(owner, method):
     assert params[: len(want)] == want, f"{owner}.{method}{params}: the plugin's override must follow"
 
 
+@pytest.mark.parametrize("path", sorted(pins.FUNCTIONS))
+def test_each_called_function_keeps_its_parameters(path):
+    params = list(inspect.signature(resolve(path)).parameters)
+    want = pins.FUNCTIONS[path]
+    assert params[: len(want)] == want, f"{path}{params}: the plugin's call must follow"
+
+
+def test_the_tensor_parallel_group_still_sets_the_attributes_the_plugin_reads():
+    source = inspect.getsource(resolve("vllm.distributed.parallel_state:GroupCoordinator").__init__)
+    assert all(f"self.{name} =" in source for name in pins.GROUP_ATTRS)
+
+
 @pytest.mark.parametrize("owner", sorted(pins.FIELDS))
 def test_each_field_the_plugin_reads_is_still_there(owner):
     cls = resolve(owner)

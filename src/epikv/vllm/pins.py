@@ -55,10 +55,30 @@ METHODS: dict[str, dict[str, list[str]]] = {
         "all_gather": ["self", "input_", "dim"],
         "broadcast": ["self", "input_", "src"],
     },
+    "vllm.model_executor.models.registry:_ModelRegistry": {  # called (start-up refusals)
+        "resolve_model_cls": ["self", "architectures", "model_config"],
+    },
     "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion": {
         "completion_stream_generator": ["self", "request", "engine_inputs", "result_generator"],
     },
 }
+
+# module-level functions the plugin calls -> the leading parameters it passes
+FUNCTIONS: dict[str, list[str]] = {
+    "vllm._custom_ops:cpu_attn_reshape_and_cache": [
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "slot_mapping",
+        "isa",
+    ],
+    "vllm.distributed:get_tp_group": [],
+    "vllm.model_executor.models.interfaces:supports_eagle3": ["model"],
+}
+
+# attributes the plugin reads off the tensor-parallel group (set in GroupCoordinator.__init__)
+GROUP_ATTRS = ("rank_in_group", "world_size")
 
 # dataclass / struct -> the fields the plugin reads or writes
 FIELDS: dict[str, set[str]] = {
