@@ -1,5 +1,6 @@
-"""Tensor parallelism: tp = 2 on this CPU (one core bound to each rank, ``VLLM_CPU_OMP_THREADS_BIND``),
-on epikv's tiny Llama (4 query heads over 2 KV heads, so each rank holds one KV head).
+"""Tensor parallelism: tp = 2 on this CPU (``VLLM_CPU_OMP_THREADS_BIND`` binds each rank to one of the
+first two cores this process may run on), on epikv's tiny Llama (4 query heads over 2 KV heads, so
+each rank holds one KV head).
 
 Each rank's pages hold its own heads; at a compaction the policy scores whole heads (keys, values and
 recomputed queries gathered across ranks), every rank takes the first rank's scores, and each moves
@@ -12,6 +13,7 @@ counters at tp = 2 equal tp = 1's."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -31,13 +33,17 @@ def tiny(embedded, tmp_path_factory):
     return str(folder), [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 24)]
 
 
+CPUS = sorted(os.sched_getaffinity(0))
+pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="tensor parallelism 2 binds one CPU to each rank")
+
+
 def run(tiny: Any, tp: int, policy: str | None = None, budget: int | None = None, **settings: Any):
     folder, prompts = tiny
     kwargs = {} if policy is None else epikv.vllm.engine_kwargs(policy, budget, **settings)
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if tp > 1 else "auto")
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}" if tp > 1 else "auto")
         llm = make_llm(folder, max_model_len=512, **kwargs)
         out = generate(llm, prompts, N)
         close(llm)
