@@ -1,10 +1,12 @@
 """The architectures epikv evicts in, and how each computes a layer's queries: one table, read by
 epikv's own engine (:mod:`epikv.integration.arch`, on transformers' modules) and by the vLLM plugin
-(:mod:`epikv.vllm.queries`, on vLLM's). Plain data: no torch, no transformers, no vLLM."""
+(:mod:`epikv.vllm.queries`, on vLLM's). Plain data and one reader of a config's windows: no torch, no
+transformers, no vLLM."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,21 @@ class ArchFacts:
         if self.sinks is not None:
             steps.append(f"softmax with learned {self.sinks}")
         return " > ".join(steps)
+
+
+def sliding_layers(config: Any) -> tuple[tuple[int, ...], int | None]:
+    """The layers of a model's text config with a sliding window, and its width (the config's
+    ``layer_types`` and ``sliding_window``; SmolLM3 names sliding layers but uses them only with
+    ``use_sliding_window``). A config with a window and no layer types has it in every layer. Both
+    hosts read a model's windows here: epikv's engine from transformers' config, the plugin from
+    vLLM's (the same object)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return (), None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return tuple(range(config.num_hidden_layers)), window
+    return tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"), window
 
 
 ARCHITECTURES: dict[str, ArchFacts] = {

@@ -37,6 +37,18 @@ FP32_TOKEN_BYTES = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K
 
 VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "num_hidden_layers": 3}
 """epikv's tiny shape, with heads of 32 (vLLM's CPU attention has no kernel for 16) and 3 layers."""
+HYBRID_SHAPE = {
+    kind: {"num_hidden_layers": 4, **extra}  # epikv's tiny layer types: sliding, global, sliding, global
+    for kind, extra in {
+        "gemma3_text": {"query_pre_attn_scalar": 32},  # scale queries by 1/sqrt(head_dim), as the table needs
+        "gpt_oss": {},
+        "exaone4": {},
+        "olmo3": {},
+        "smollm3": {},
+    }.items()
+}
+STD = {"gemma3_text": 0.02}
+"""Weight scale where 0.2 gives one token over and over (Gemma scales embeddings by sqrt(hidden))."""
 
 
 def build_tiny(kind: str, folder: Path, tokenizer_folder: str) -> None:
@@ -49,13 +61,13 @@ def build_tiny(kind: str, folder: Path, tokenizer_folder: str) -> None:
     from epikv.models.tiny import tiny_model
 
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_folder))
-    model = tiny_model(
-        kind, vocab_size=vocab, initializer_range=0.2, max_position_embeddings=512, **VLLM_SHAPE
-    )
+    std = STD.get(kind, 0.2)
+    shape = {**VLLM_SHAPE, **HYBRID_SHAPE.get(kind, {})}
+    model = tiny_model(kind, vocab_size=vocab, initializer_range=std, max_position_embeddings=512, **shape)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
-                param.normal_(0.0, 0.2)
+                param.normal_(0.0, std)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         source = f"{tokenizer_folder}/{name}"

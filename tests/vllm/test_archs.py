@@ -1,14 +1,19 @@
-"""The plugin on the model types of epikv's architecture table that vLLM's CPU backend runs beside
+"""The plugin on every model type of epikv's architecture table that vLLM's CPU backend runs beside
 Llama (which the embedded model covers): Qwen2 (q/k/v with biases), Mistral, Qwen3 and Qwen3-MoE (a
 query norm per head), Phi-3 (fused qkv, partial RoPE), GLM-4.5 (no aux-hidden-state path in vLLM),
-OLMo-2 and Seed-OSS (vLLM's Transformers backend). Each is epikv's tiny model of that type
-(:mod:`epikv.models.tiny`) with heads of 32 and weights drawn at std 0.2, so logits are far from flat
-and token comparisons mean something. Per type: ``full`` under the plugin gives plain vLLM's tokens;
-``streaming`` keeps exactly epikv's engine's position sets at every compaction; Seg-Q stays within
-its cap and its recomputed queries equal the ones vLLM's attention receives, or is refused at
-start-up with the reason. The hybrids (sliding-window layers) are refused (``test_contract.py``)."""
+OLMo-2 and Seed-OSS (vLLM's Transformers backend), and the hybrids with sliding-window layers: Gemma 3
+and EXAONE 4 (no aux-hidden-state path), gpt-oss (learned sinks, half-width RoPE tables), OLMo-3 and
+SmolLM3 (Transformers backend). Each is epikv's tiny model of that type (:mod:`epikv.models.tiny`)
+with heads of 32 and weights drawn at std 0.2 (Gemma 3: 0.02), so logits are far from flat and token
+comparisons mean something. Per type: ``full`` under the plugin gives plain vLLM's tokens;
+``streaming`` keeps exactly epikv's engine's position sets at every compaction and yields its tokens
+(a hybrid's sliding layers stay vLLM's own: its tokens would differ if a compaction touched them);
+Seg-Q stays within its cap and its recomputed queries equal the ones vLLM's attention receives, or is
+refused at start-up with the reason. ``test_hybrids.py`` checks the hybrids' blocks and admission."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -16,12 +21,14 @@ from conftest import build_tiny, close, generate, kept_sets, make_llm, reference
 
 import epikv.vllm
 from epikv.vllm.config import Refused
+from epikv.vllm.queries import ATTENTION
 
 N = 40  # new tokens per request
 K = 24  # streaming's budget: every request evicts
-QUERIES = ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")  # vLLM's class has the aux-hidden-state path
-NO_QUERIES = ("glm4_moe", "olmo2", "seed_oss")  # Seg-Q refused: no aux-hidden-state path (GLM-4.5) or
-TRANSFORMERS_BACKEND = ("olmo2", "seed_oss")  # vLLM runs them by its Transformers backend: no qkv_proj
+QUERIES = ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")  # vLLM has the aux-hidden-state path
+# Seg-Q refused: no aux-hidden-state path in vLLM's class, or run by vLLM's Transformers backend
+NO_QUERIES = ("glm4_moe", "olmo2", "seed_oss", "gemma3_text", "exaone4", "olmo3", "smollm3")
+TRANSFORMERS_BACKEND = ("olmo2", "seed_oss", "olmo3", "smollm3")  # no qkv_proj to recompute with
 
 
 @pytest.fixture(scope="module", params=QUERIES + NO_QUERIES)
@@ -61,6 +68,7 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(arch, tmp_path)
         # one per step once over K; a prompt longer than K is held whole, then cut once at its end
         assert len(ours[i]) == len(ref["kept"][i]) == min(N, len(prompt) + N - 1 - K)
         assert ours[i] == ref["kept"][i], f"request {i}: kept sets differ from epikv's engine"
+    assert tokens(out) == ref["tokens"]  # what the kept tokens (and a hybrid's windows) make
     peaks = [o.kv_transfer_params["epikv"]["peak_cache_tokens"] for o in out]
     assert peaks == [max(len(p), K + 1) for p in prompts]
 
@@ -77,12 +85,17 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     layer = state.spec.policy.query_layer
     decoder = runner.model.model.layers[layer]
+    at = {name: i for i, name in enumerate(inspect.signature(decoder.forward).parameters)}
     seen = {}
+
+    def entering(module, args):  # the residual stream entering the layer, and the positions
+        hidden, residual = args[at["hidden_states"]], args[at["residual"]]
+        seen.update(h=hidden if residual is None else hidden + residual, pos=args[at["positions"]])
+
+    attention = getattr(decoder, ATTENTION.get(kind, "self_attn")).attn
     hooks = [
-        decoder.register_forward_pre_hook(
-            lambda m, args: seen.update(h=args[1] if args[2] is None else args[1] + args[2], pos=args[0])
-        ),
-        decoder.self_attn.attn.register_forward_pre_hook(lambda m, args: seen.update(q=args[0])),
+        decoder.register_forward_pre_hook(entering),
+        attention.register_forward_pre_hook(lambda m, args: seen.update(q=args[0])),
     ]
     out = generate(llm, prompts, N)
     for hook in hooks:

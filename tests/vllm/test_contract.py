@@ -169,10 +169,25 @@ def test_models_without_the_aux_hidden_state_path_are_refused_for_banded_policie
     check_engine(c, STREAMING)  # reads no hidden state
 
 
-def test_models_with_sliding_windows_are_refused():
+def test_sliding_windows_outside_the_tables_hybrids_are_refused():
     c = config()
-    c.model_config.hf_text_config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(Refused, match="sliding-window"):
+    c.model_config.hf_text_config.sliding_window = 64  # a Llama with a window: not a hybrid of the table
+    with pytest.raises(Refused, match=r"'llama' with a sliding window \(sliding_window=64\)"):
+        check_engine(c, STREAMING)
+    c.model_config.hf_text_config.layer_types = ["sliding_attention", "chunked_attention"]
+    with pytest.raises(Refused, match=r"layer types .*chunked_attention"):
+        check_engine(c, STREAMING)
+
+
+def test_a_hybrid_runs_its_sliding_layers_unless_every_layer_slides():
+    c = config()
+    hf = c.model_config.hf_text_config
+    hf.model_type, hf.sliding_window, hf.num_hidden_layers = "gemma3_text", 6, 4
+    hf.layer_types = ["sliding_attention", "full_attention"] * 2
+    c.model_config.architectures = ["Gemma3ForCausalLM"]
+    check_engine(c, STREAMING)  # its global layers evict, its sliding ones stay vLLM's
+    hf.layer_types = ["sliding_attention"] * 4
+    with pytest.raises(Refused, match=r"sliding window in every layer .* no global layer to evict in"):
         check_engine(c, STREAMING)
 
 
@@ -187,7 +202,8 @@ def test_the_plugins_query_models_are_the_tables_non_hybrid_entries():
     from epikv.archs import ARCHITECTURES
 
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3"} <= QUERY_MODELS
-    assert not {"gemma3_text", "gpt_oss", "olmo3", "smollm3", "exaone4"} & QUERY_MODELS  # hybrids
+    assert "gpt_oss" in QUERY_MODELS  # a hybrid whose every layer applies its own RoPE module
+    assert not {"gemma3_text", "olmo3", "smollm3", "exaone4"} & QUERY_MODELS  # per-kind tables, NoPE
     assert QUERY_MODELS <= set(ARCHITECTURES)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from epikv.archs import ARCHITECTURES, NOT_YET, ArchFacts
+from epikv.archs import sliding_layers as config_sliding_layers
 from epikv.policies.base import ModelInfo
 
 
@@ -22,17 +23,8 @@ def text_config(model: nn.Module) -> Any:
 
 
 def sliding_layers(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
-    """The layers with a sliding window, and its width (the config's ``layer_types`` and
-    ``sliding_window``; SmolLM3 names sliding layers but uses them only with ``use_sliding_window``).
-    A config with a window and no layer types has it in every layer."""
-    config = text_config(model)
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return (), None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return tuple(range(config.num_hidden_layers)), window
-    return tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"), window
+    """The model's sliding-window layers and their width (:func:`epikv.archs.sliding_layers`)."""
+    return config_sliding_layers(text_config(model))
 
 
 def check_supported(model: nn.Module) -> ArchFacts:

@@ -124,10 +124,12 @@ class PagedView:
         return part if shards is None else shards.gather(part.contiguous(), 1)
 
     def keys(self, layer: int) -> torch.Tensor:
-        return self._whole(self._store.paged.keys(layer, self._head_slots(layer)).float())
+        paged = self._store.paged  # holds the evicting layers only, in order
+        return self._whole(paged.keys(self.layers.index(layer), self._head_slots(layer)).float())
 
     def values(self, layer: int) -> torch.Tensor:
-        return self._whole(self._store.paged.values(layer, self._head_slots(layer)).float())
+        paged = self._store.paged
+        return self._whole(paged.values(self.layers.index(layer), self._head_slots(layer)).float())
 
     def positions(self, layer: int | None = None) -> torch.Tensor:
         return self.sorted_positions[self._group(self.layers[0] if layer is None else layer)]
@@ -174,7 +176,7 @@ def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> C
     dst = view.slots[holes[:, 1], holes[:, 3]]
     groups = movers[:, 0] if store.groups > 1 else None
     heads = movers[:, 2] if store.heads > 1 else None
-    layers = None if groups is None else torch.tensor(store.model.cache_layers)[groups]
+    layers = groups  # a group is an evicting layer, and the pages hold exactly those, in order
     if store.shards is not None and heads is not None:  # this rank moves its own heads' tokens
         mine = (heads >= store.shards.lo) & (heads < store.shards.hi)
         local = None if layers is None else layers[mine]

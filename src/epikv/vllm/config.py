@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from epikv.archs import ARCHITECTURES
+from epikv.archs import ARCHITECTURES, sliding_layers
 from epikv.errors import BudgetOutOfRange
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec, parse_budget
@@ -139,6 +139,7 @@ def model_info(vllm_config: Any) -> ModelInfo:
     hf = model_config.hf_text_config
     heads = hf.num_attention_heads
     identity = getattr(model_config.hf_config, "epikv_model_id", None) or str(model_config.model)
+    sliding, window = sliding_layers(hf)
     return ModelInfo(
         identity=identity,
         num_layers=hf.num_hidden_layers,
@@ -147,6 +148,8 @@ def model_info(vllm_config: Any) -> ModelInfo:
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         hidden_size=hf.hidden_size,
         context_length=getattr(hf, "max_position_embeddings", None),
+        sliding_layers=sliding,
+        window=window,
     )
 
 
@@ -166,6 +169,7 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     hf = model.hf_text_config
     evicts, queries = spec.evicts, spec.policy.needs().query_layer is not None
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    window = _window_problem(model)
     checks = [
         (
             not current_platform.is_cpu(),
@@ -196,11 +200,7 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
             bool(getattr(model, "use_mla", False)),
             "models with multi-head latent attention (MLA) are not supported yet",
         ),
-        (
-            _has_window(hf),
-            "models with sliding-window layers are not supported in vLLM yet (they are in "
-            "epikv's own engine)",
-        ),
+        (window is not None, str(window)),
         (
             evicts and _uses_alibi(model),
             "ALiBi models are not supported: vLLM's kernels would bias by physical slots, so every "
@@ -228,11 +228,6 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     for bad, why in checks:
         if bad:
             raise Refused(f"epikv: {why}")
-    if queries and model.hf_config.model_type not in QUERY_MODELS:
-        raise Refused(
-            f"epikv: policy {spec.policy.name!r} recomputes queries, built for model types "
-            f"{sorted(QUERY_MODELS)} in vLLM, not {model.hf_config.model_type!r}"
-        )
     if queries and _on_transformers_backend(model):
         raise Refused(
             f"epikv: policy {spec.policy.name!r} recomputes queries with vLLM's own attention modules, "
@@ -245,19 +240,48 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
             f"state path, which {model.architectures} does not have; use a policy that reads none "
             "(streaming, keydiff, lagkv, random)"
         )
+    if queries and model.hf_config.model_type not in QUERY_MODELS:
+        raise Refused(
+            f"epikv: policy {spec.policy.name!r} recomputes queries, built for model types "
+            f"{sorted(QUERY_MODELS)} in vLLM, not {model.hf_config.model_type!r}"
+        )
 
 
 QUERY_MODELS = frozenset(
-    name for name, facts in ARCHITECTURES.items() if not facts.hybrid and not facts.rope_by_layer_type
+    name
+    for name, facts in ARCHITECTURES.items()
+    if not facts.rope_by_layer_type and facts.rope_flag is None and not facts.nope_global
 )
-"""Model types whose queries the plugin recomputes (:mod:`epikv.vllm.queries`); the hybrids stay
-refused, since the plugin does not compact vLLM's sliding-window groups."""
+"""Model types whose queries the plugin recomputes (:mod:`epikv.vllm.queries`): every layer applies
+its own RoPE module. Left out: per-layer-kind tables and layers without RoPE (Gemma 3, OLMo-3, EXAONE
+4, SmolLM3), which vLLM runs without the aux-hidden-state path Seg-Q reads or by its Transformers
+backend, so no test could run them."""
 
 
-def _has_window(hf: Any) -> bool:
-    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        return True
-    return any(kind != "full_attention" for kind in (getattr(hf, "layer_types", None) or []))
+def _window_problem(model: Any) -> str | None:
+    """Why the model's sliding windows cannot run under the plugin, or None: a hybrid of the table
+    (:data:`~epikv.archs.ARCHITECTURES`) evicts in its global layers and leaves its sliding layers to
+    vLLM; any other model type with a window, or a window in every layer, is refused."""
+    hf = model.hf_text_config
+    sliding, window = sliding_layers(hf)
+    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
+    kind = model.hf_config.model_type
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"model type {kind!r} has layer types {sorted(kinds)}; the plugin knows full and sliding"
+    if not sliding:
+        return None
+    facts = ARCHITECTURES.get(kind)
+    if facts is None or not facts.hybrid:
+        return (
+            f"model type {kind!r} with a sliding window (sliding_window={window}) is not supported: a "
+            "window over compacted slots would mask the wrong tokens"
+        )
+    if len(sliding) == hf.num_hidden_layers:
+        return (
+            f"model type {kind!r} has a sliding window in every layer (sliding_window={window}): there "
+            "is no global layer to evict in, its cache is already bounded"
+        )
+    return None
 
 
 ALIBI_MODELS = {"bloom", "mpt", "jais", "baichuan"}  # attention biased by distance, not RoPE

@@ -96,7 +96,8 @@ def _written(write: Writer, part: str, b: int, d: int, dtype: torch.dtype) -> to
 class PagedKV:
     """Every layer's pages as one flat tensor over their shared storage, with the layout's offsets.
 
-    layers: the per-layer ``[num_blocks, H, B, 2D]`` tensors, in layer order, all views of one
+    layers: the per-layer ``[num_blocks, H, B, 2D]`` tensors of the layers that evict (a hybrid's global
+    layers; index i here is the i-th of them), in layer order, all views of one
     allocation with the same block and head strides."""
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: PageLayout) -> None:

@@ -5,7 +5,8 @@ residual stream entering the layer (the previous layer's output, which the polic
 q, k and v into one projection (``qkv_proj``) in every model type built here; the q slice is taken.
 Which steps a model type has (its input norm, a query norm per head or over all heads) comes from the
 one architecture table, :data:`epikv.archs.ARCHITECTURES`, that epikv's own engine reads too. The
-rotary embedding is vLLM's module of that layer, so partial RoPE (Phi-3) needs nothing here.
+rotary embedding is vLLM's module of that layer, so partial RoPE (Phi-3) and gpt-oss's half-width
+tables need nothing here.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ import torch
 
 from epikv.archs import ARCHITECTURES
 
+ATTENTION = {"gpt_oss": "attn"}
+"""Where vLLM's decoder layer keeps its attention module, where not at ``self_attn``."""
+
 
 def query_projector(model: Any, model_type: str) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
     """``project(layer, hidden (B, W, hidden), positions (B, W)) -> (B, Hq, W, D)`` post-RoPE queries."""
     facts = ARCHITECTURES[model_type]
     layers = model.model.layers
+    name = ATTENTION.get(model_type, "self_attn")
 
     def project(layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         decoder = layers[layer]
-        attn = decoder.self_attn
+        attn = getattr(decoder, name)
         b, w, size = hidden.shape
         weight = attn.qkv_proj.weight
         with torch.no_grad():

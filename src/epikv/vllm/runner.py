@@ -11,7 +11,9 @@ aux-hidden-state path EAGLE-3 uses), ``_update_states`` (request lifecycle), ``_
 
 from __future__ import annotations
 
+import copy
 import re
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm.distributed import get_tp_group
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -29,7 +31,7 @@ from epikv.vllm.compaction import HeadShards, SlotStore
 from epikv.vllm.config import EpiKVSettings, Refused, check_engine, model_info
 from epikv.vllm.paged import PagedKV, probe_layout
 from epikv.vllm.queries import query_projector
-from epikv.vllm.scheduler import capped_spec, register_spec
+from epikv.vllm.scheduler import EpiKVAttentionSpec, capped_spec, register_spec
 from epikv.vllm.step import EpiKVWorkerState, NewRequest, StepBatch
 
 
@@ -37,6 +39,8 @@ class EpiKVRunnerMixin:
     """EpiKV around a V1 model runner (see the module docstring)."""
 
     epikv: EpiKVWorkerState | None
+    epikv_group = 0  # the KV cache group of the global layers (the one that evicts)
+    epikv_dropped: torch.Tensor | None = None  # this step's tokens evicted per row (None: none)
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)  # type: ignore[call-arg]
@@ -58,19 +62,45 @@ class EpiKVRunnerMixin:
         return super()._get_eagle3_aux_layers_from_config()  # type: ignore[misc]
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
+        """Global layers get the capped spec; a hybrid's sliding layers keep vLLM's own spec (their
+        own manager, window and kernels: compaction never touches them)."""
         specs = super().get_kv_cache_spec()  # type: ignore[misc]
         if self.epikv is None:
             return specs
+        model, out = self.epikv.model, {}
         for name, spec in specs.items():
-            if type(spec) is not FullAttentionSpec:
-                raise Refused(f"epikv: layer {name} has a {type(spec).__name__}; only full attention evicts")
-        return {name: capped_spec(spec, self.epikv.cap) for name, spec in specs.items()}
+            sliding = _layer_index(name) in model.sliding_layers
+            if sliding and type(spec) is SlidingWindowSpec and spec.sliding_window == model.window:
+                out[name] = spec
+            elif not sliding and type(spec) is FullAttentionSpec:
+                out[name] = capped_spec(spec, self.epikv.cap)
+            else:
+                kind = f"a sliding window of {model.window}" if sliding else "full attention"
+                raise Refused(
+                    f"epikv: layer {name} has a {type(spec).__name__} in vLLM, where the model's config "
+                    f"says {kind}; only full attention evicts"
+                )
+        return out
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
         if self.epikv is None:
             return
-        layers = _attention_layers(self.compilation_config.static_forward_context)  # type: ignore[attr-defined]
+        model = self.epikv.model
+        groups = kv_cache_config.kv_cache_groups
+        evicting = [g for g, gr in enumerate(groups) if isinstance(gr.kv_cache_spec, EpiKVAttentionSpec)]
+        names = groups[evicting[0]].layer_names if len(evicting) == 1 else []
+        if {_layer_index(name) for name in names} != set(model.cache_layers):
+            raise Refused(
+                f"epikv: vLLM grouped the model's global layers {list(model.cache_layers)} into "
+                f"{len(evicting)} KV cache groups; the plugin compacts exactly one group holding all of them"
+            )
+        self.epikv_group = group = evicting[0]
+        for attn_group in self.attn_groups[group]:  # type: ignore[attr-defined]
+            for builder in attn_group.metadata_builders:
+                builder.build = _physical_lengths(builder.build, self)
+        every = _attention_layers(self.compilation_config.static_forward_context)  # type: ignore[attr-defined]
+        layers = [every[i] for i in model.cache_layers]
         first = layers[0]
         pages = [layer.kv_cache for layer in layers]
         block, head_dim = pages[0].shape[2], pages[0].shape[3] // 2
@@ -79,7 +109,7 @@ class EpiKVRunnerMixin:
             ops.cpu_attn_reshape_and_cache(key, value, key_pages, value_pages, slots, first.isa)
 
         paged = PagedKV(pages, probe_layout(write, block, head_dim, pages[0].dtype))
-        store = SlotStore(paged, self.epikv.spec, self.epikv.model, pages[0].shape[0] * block)
+        store = SlotStore(paged, self.epikv.spec, model, pages[0].shape[0] * block)
         if self.epikv.spec.policy.needs().query_layer is not None:
             store.project_queries = query_projector(
                 self.model,
@@ -104,29 +134,32 @@ class EpiKVRunnerMixin:
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        self.epikv_dropped = None
         if self.epikv is not None and self.epikv.evicts:
             self._physical(num_scheduled_tokens)
         return out
 
     def _physical(self, scheduled: np.ndarray) -> None:
-        """Attention lengths and slots become physical (positions stay logical); a faulted row's
-        tokens are written nowhere (vLLM's writer skips slot -1)."""
+        """The evicting group's attention lengths and slots become physical (positions stay logical,
+        and a hybrid's sliding groups keep vLLM's logical lengths and slots); a faulted row's tokens
+        are written nowhere in the evicting group (vLLM's writer skips slot -1)."""
         assert self.epikv is not None
         batch = self._step_batch(scheduled)
         dropped, bad = self.epikv.physical(batch)
         if not dropped.any() and not bad.any():
             return
         n, total = len(batch.ids), int(batch.starts[-1])
-        self.seq_lens[:n] -= torch.from_numpy(dropped).to(self.seq_lens.dtype)  # type: ignore[attr-defined]
+        self.epikv_dropped = torch.from_numpy(dropped)  # read by the group's metadata builders
         rows = self.req_indices.np[:total]  # type: ignore[attr-defined]
         physical = batch.positions[:total] - torch.from_numpy(dropped[rows])
-        table = self.input_batch.block_table  # type: ignore[attr-defined]
+        table = self.input_batch.block_table[self.epikv_group]  # type: ignore[attr-defined]
         table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], physical)  # type: ignore[attr-defined]
         if bad.any():
-            table[0].slot_mapping.gpu[:total][torch.from_numpy(bad[rows])] = -1
+            table.slot_mapping.gpu[:total][torch.from_numpy(bad[rows])] = -1
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         out = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
+        self.epikv_dropped = None  # built into this step's metadata; a dummy run must not see it
         state = self.execute_model_state  # type: ignore[attr-defined]
         if self.epikv is not None and state is not None:
             batch = self._step_batch(scheduler_output.num_scheduled_tokens, written=True)
@@ -147,7 +180,7 @@ class EpiKVRunnerMixin:
         if isinstance(scheduled, dict):  # after the forward: the scheduler's per-request counts
             scheduled = np.array([scheduled[r] for r in ids], dtype=np.int64)
         starts = self.query_start_loc.np[: n + 1].astype(np.int64)  # type: ignore[attr-defined]
-        table = batch.block_table[0]
+        table = batch.block_table[self.epikv_group]
         return StepBatch(
             ids=ids,
             computed=batch.num_computed_tokens_cpu[:n].astype(np.int64),
@@ -157,7 +190,7 @@ class EpiKVRunnerMixin:
             room=table.num_blocks_per_row[:n].astype(np.int64) * self.epikv.block_size,  # type: ignore[union-attr]
             positions=self.positions[: int(starts[n])],  # type: ignore[attr-defined]
             slots=table.slot_mapping.gpu[: int(starts[n])].long() if written else None,
-            blocks=lambda req_id: self.requests[req_id].block_ids[0],  # type: ignore[attr-defined]
+            blocks=lambda req_id: self.requests[req_id].block_ids[self.epikv_group],  # type: ignore[attr-defined]
         )
 
 
@@ -187,14 +220,40 @@ class EpiKVCPUWorker(CPUWorker):
             super().init_device()
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _physical_lengths(build: Callable[..., Any], runner: EpiKVRunnerMixin) -> Callable[..., Any]:
+    """A metadata builder of the evicting group that sees each row's physical length (logical minus
+    what the row has evicted): vLLM shares one ``seq_lens`` across KV cache groups, and a hybrid's
+    sliding layers need the logical one."""
+
+    def physical(common_prefix_len: int, common: Any, *args: Any, **kwargs: Any) -> Any:
+        dropped = runner.epikv_dropped
+        if dropped is not None:
+            common = copy.copy(common)
+            common.seq_lens = common.seq_lens.clone()
+            common.seq_lens[: dropped.shape[0]] -= dropped.to(common.seq_lens.dtype)
+        return build(common_prefix_len, common, *args, **kwargs)
+
+    return physical
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer of an attention module's name (``model.layers.3.self_attn.attn`` -> 3)."""
+    match = _LAYER.search(name)
+    if match is None:
+        raise Refused(f"epikv: cannot tell which decoder layer attention module {name!r} belongs to")
+    return int(match.group(1))
+
+
 def _attention_layers(context: dict[str, Any]) -> list[Any]:
     """The model's attention layers in layer order (the modules holding ``kv_cache`` and ``isa``)."""
-    found = []
-    for name, module in context.items():
-        match = re.search(r"layers\.(\d+)\.", name)
-        if match and hasattr(module, "kv_cache") and hasattr(module, "isa"):
-            found.append((int(match.group(1)), module))
-    found.sort(key=lambda item: item[0])
+    found = sorted(
+        ((_layer_index(name), module) for name, module in context.items()
+         if _LAYER.search(name) and hasattr(module, "kv_cache") and hasattr(module, "isa")),
+        key=lambda item: item[0],
+    )  # fmt: skip
     if not found or [i for i, _ in found] != list(range(len(found))):
         raise Refused(
             f"epikv: cannot find the model's attention layers in order (found {[i for i, _ in found]})"

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -70,15 +71,22 @@ class EpiKVAttentionManager(FullAttentionManager):
     policy never evicts) are vLLM's as usual."""
 
     plans: dict[str, RequestPlan] | None = None  # the scheduler's, shared
+    # a hybrid's sliding-window headroom a request's admission must leave free (see EpiKVScheduler)
+    headroom: Callable[[str], int] | None = None
 
     def _reserved(self, request_id: str, num_tokens: int) -> int:
         plan = self.plans.get(request_id) if self.plans is not None else None
         return num_tokens if plan is None or plan.reserve is None else plan.reserve
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
-        return super().get_num_blocks_to_allocate(
+        blocks = super().get_num_blocks_to_allocate(
             request_id, self._reserved(request_id, num_tokens), *args, **kwargs
         )
+        first = not self.req_to_blocks.get(request_id)
+        plan = self.plans.get(request_id) if self.plans is not None else None
+        if first and plan is not None and plan.cap is not None and self.headroom is not None:
+            blocks += self.headroom(request_id)  # counted, never allocated: admission leaves it free
+        return blocks
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> Any:
         return super().allocate_new_blocks(
@@ -125,9 +133,13 @@ class EpiKVScheduler(Scheduler):
         self.epikv_spec = settings.spec(model_info(vllm_config)) if settings is not None else None
         self.epikv_usable_blocks = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
         self.epikv_block = 0
-        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        self.epikv_windows = [m for m in managers if isinstance(m, SlidingWindowManager)]
+        self.epikv_chunk = vllm_config.scheduler_config.max_num_batched_tokens
+        for manager in managers:
             if isinstance(manager, EpiKVAttentionManager):
                 manager.plans = self.epikv_plans
+                manager.headroom = self.epikv_headroom if self.epikv_windows else None
                 self.epikv_block = manager.block_size
         if self.epikv_spec is not None and self.epikv_spec.evicts:
             cap = self.epikv_spec.cap_tokens(0)
@@ -155,15 +167,52 @@ class EpiKVScheduler(Scheduler):
                 spec, request.num_prompt_tokens, request.max_tokens, params.extra_args if params else None
             )
             blocks = cdiv(plan.reserve or 0, self.epikv_block)
-            if blocks > self.epikv_usable_blocks:
+            first = min(request.num_prompt_tokens, self.epikv_chunk)
+            windows = sum(self.epikv_window_blocks(m, first) for m in self.epikv_windows)
+            if blocks + windows > self.epikv_usable_blocks:
                 raise AdmissionError(
-                    f"this request reserves {plan.reserve} tokens ({blocks} blocks of {self.epikv_block}), "
-                    f"more than the whole KV pool ({self.epikv_usable_blocks} blocks)"
+                    f"this request reserves {plan.reserve} tokens ({blocks} blocks of {self.epikv_block}"
+                    + (f", and {windows} for its sliding windows" if windows else "")
+                    + f"), more than the whole KV pool ({self.epikv_usable_blocks} blocks)"
                 )
         except AdmissionError as err:
             self.epikv_fail(request, str(err))
             return
         self.epikv_plans[request.request_id] = plan
+
+    # -- a hybrid's sliding-window groups ---------------------------------------------------------
+    def epikv_window_blocks(self, manager: Any, tokens: int) -> int:
+        """The most blocks ``manager`` (a sliding-window group) holds for a request while it computes
+        ``tokens`` new ones: those of the window behind them and of the tokens, wherever the window
+        starts in a block (vLLM frees the blocks behind the window before it allocates)."""
+        return 1 + cdiv(manager.sliding_window + tokens - 2, manager.block_size)
+
+    def epikv_next_tokens(self, request: Any) -> int:
+        """The tokens ``request`` computes at its next step at most (a prompt chunk, or one)."""
+        left = request.num_prompt_tokens - request.num_computed_tokens
+        return min(left, self.epikv_chunk) if left > 0 else 1
+
+    def epikv_headroom(self, request_id: str) -> int:
+        """Blocks that must stay free when ``request_id`` is admitted, so no running evicting request
+        is ever preempted for a sliding-window block (which would fail it: a compacted cache cannot be
+        re-prefilled). Global blocks are reserved whole at admission; sliding ones are vLLM's, recycled
+        as the window moves, so a request's next step can need up to ``epikv_window_blocks`` of them.
+        Kept free: each running planned request's shortfall against that, and the newcomer's own need
+        after its first chunk. Admission leaving this free keeps the pool's free blocks at least the
+        running requests' total shortfall: each allocation lowers both by one, each free raises both."""
+        request = self.requests[request_id]
+        after = request.num_prompt_tokens - self.epikv_chunk
+        need = min(after, self.epikv_chunk) if after > 0 else 1
+        total = 0
+        for manager in self.epikv_windows:
+            total += self.epikv_window_blocks(manager, need)
+            for other in self.running:
+                if other.request_id == request_id or other.request_id not in self.epikv_plans:
+                    continue
+                held = sum(not b.is_null for b in manager.req_to_blocks.get(other.request_id, ()))
+                want = self.epikv_window_blocks(manager, self.epikv_next_tokens(other))
+                total += max(0, want - held)
+        return total
 
     def epikv_fail(self, request: Any, why: str) -> None:
         """Finish ``request`` alone with vLLM's ``error`` finish; the output goes out with this step's."""
