@@ -14,6 +14,7 @@ refused at start-up with the reason. ``test_hybrids.py`` checks the hybrids' blo
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +26,19 @@ from epikv.vllm.queries import ATTENTION
 
 N = 40  # new tokens per request
 K = 24  # streaming's budget: every request evicts
-QUERIES = ("mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")  # vLLM has the aux-hidden-state path
-# Seg-Q refused: no aux-hidden-state path in vLLM's class, or run by vLLM's Transformers backend
-NO_QUERIES = ("glm4_moe", "olmo2", "seed_oss", "gemma3_text", "exaone4", "olmo3", "smollm3")
-TRANSFORMERS_BACKEND = ("olmo2", "seed_oss", "olmo3", "smollm3")  # no qkv_proj to recompute with
+QUERIES = (
+    "mistral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gpt_oss",
+    "olmo2",
+    "seed_oss",
+    "olmo3",
+    "smollm3",
+)
+NO_QUERIES = ("glm4_moe", "gemma3_text", "exaone4")  # Seg-Q refused: no aux-hidden-state path in vLLM
 
 
 @pytest.fixture(scope="module", params=QUERIES + NO_QUERIES)
@@ -76,8 +86,7 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(arch, tmp_path)
 def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
     kind, folder, prompts = arch
     if kind in NO_QUERIES:  # Seg-Q reads the residual stream through that path: refused at start-up
-        why = "Transformers backend" if kind in TRANSFORMERS_BACKEND else "aux-hidden-state path"
-        with pytest.raises(Refused, match=why):
+        with pytest.raises(Refused, match="aux-hidden-state path"):
             _llm(folder, **epikv.vllm.engine_kwargs("epikv", 48, interval=8))
         return
     llm = _llm(folder, **epikv.vllm.engine_kwargs("epikv", 48, interval=8))
@@ -85,18 +94,25 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     layer = state.spec.policy.query_layer
     decoder = runner.model.model.layers[layer]
-    at = {name: i for i, name in enumerate(inspect.signature(decoder.forward).parameters)}
+    signature = inspect.signature(decoder.forward)
     seen = {}
 
-    def entering(module, args):  # the residual stream entering the layer, and the positions
-        hidden, residual = args[at["hidden_states"]], args[at["residual"]]
-        seen.update(h=hidden if residual is None else hidden + residual, pos=args[at["positions"]])
+    def entering(module, args, kwargs):  # the residual stream entering the layer, and the positions
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        hidden, residual = bound["hidden_states"], bound.get("residual")
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # transformers' modules keep a batch of one
+        positions = bound["positions"] if "positions" in bound else bound["position_ids"]
+        seen.update(h=hidden if residual is None else hidden + residual, pos=positions.reshape(-1))
 
-    attention = getattr(decoder, ATTENTION.get(kind, "self_attn")).attn
-    hooks = [
-        decoder.register_forward_pre_hook(entering),
-        attention.register_forward_pre_hook(lambda m, args: seen.update(q=args[0])),
-    ]
+    attention = getattr(decoder, ATTENTION.get(kind, "self_attn")).attn  # vLLM's attention layer
+    forward = attention.forward
+
+    def receiving(query, *args, **kwargs):  # the Transformers backend calls ``forward`` itself
+        seen["q"] = query
+        return forward(query, *args, **kwargs)
+
+    attention.forward = receiving
+    hooks = [decoder.register_forward_pre_hook(entering, with_kwargs=True)]
     out = generate(llm, prompts, N)
     for hook in hooks:
         hook.remove()
@@ -107,3 +123,37 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
     counters = [o.kv_transfer_params["epikv"] for o in out]
     assert all(c["peak_cache_tokens"] <= 48 + 8 for c in counters)
     assert sum(c["evictions"] for c in counters) > 0
+
+
+SETS = ("gpt_oss", "olmo3", "smollm3")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sets_models(embedded, tmp_path_factory) -> dict[str, str]:
+    """Built before any engine of this module starts: once vLLM's Transformers backend loads a model
+    type, it wraps transformers' class of it for compilation, which then builds only inside an engine."""
+    folders = {}
+    for kind in SETS:
+        folders[kind] = str(tmp_path_factory.mktemp(f"sets-{kind}"))
+        build_tiny(kind, Path(folders[kind]), embedded["folder"])
+    return folders
+
+
+@pytest.mark.parametrize("kind", SETS)
+def test_seg_q_keeps_exactly_epikvs_sets_and_tokens(kind, sets_models, tmp_path):
+    """Seg-Q end to end where its query path is least like Llama's: a native hybrid with learned sinks
+    (gpt-oss), and on vLLM's Transformers backend a hybrid with a RoPE table per layer kind (OLMo-3)
+    and layers without RoPE (SmolLM3): the band layers' hidden states, the recomputed queries and the
+    scores all meet in the kept sets, which equal epikv's engine's at every compaction."""
+    folder = sets_models[kind]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
+    trace = tmp_path / "kept.jsonl"
+    llm = _llm(folder, **epikv.vllm.engine_kwargs("epikv", 40, trace=str(trace)))
+    out = generate(llm, prompts, 300)  # tau = 128: compactions at 168 and 296 tokens held
+    close(llm)
+    ref = reference_run("epikv", 40, prompts, 300, model=folder)
+    ours = kept_sets(trace, out)
+    assert [len(sets) for sets in ours] == [2, 2, 2]
+    assert ours == ref["kept"]
+    assert tokens(out) == ref["tokens"]

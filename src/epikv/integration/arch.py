@@ -125,10 +125,20 @@ def attention_queries(
     q = getattr(attn, spec.q_proj)(x)
     if spec.fused_qkv:
         q = q[..., : attn.config.num_attention_heads * attn.head_dim]
+    return shape_queries(attn, spec, q, cos, sin)
+
+
+def shape_queries(
+    attn: nn.Module, spec: ArchFacts, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Projected queries ``q`` (B, W, Hq*head_dim) of attention module ``attn`` made what attention
+    receives: the architecture's query norm, the head split, RoPE (where the layer applies it).
+    Returns (B, Hq, W, head_dim). Also the query path of vLLM's Transformers backend, whose modules
+    are transformers' own but for a fused projection (:mod:`epikv.vllm.queries`)."""
     norm = getattr(attn, spec.q_norm, None) if spec.q_norm is not None else None
     if norm is not None and spec.q_norm_whole:
         q = norm(q)
-    q = q.view(*x.shape[:2], -1, attn.head_dim)
+    q = q.view(*q.shape[:2], -1, attn.head_dim)
     if norm is not None and not spec.q_norm_whole:
         q = norm(q)
     if not rotates(attn, spec):

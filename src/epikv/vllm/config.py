@@ -228,19 +228,15 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     for bad, why in checks:
         if bad:
             raise Refused(f"epikv: {why}")
-    if queries and _on_transformers_backend(model):
-        raise Refused(
-            f"epikv: policy {spec.policy.name!r} recomputes queries with vLLM's own attention modules, "
-            f"and {model.hf_config.model_type!r} runs on vLLM's Transformers backend, which has none; "
-            "use a policy without queries (streaming, keydiff, lagkv, random)"
-        )
     if spec.policy.needs().hidden_layers and not _has_aux_hidden_states(model):
         raise Refused(
             f"epikv: policy {spec.policy.name!r} reads hidden states through vLLM's EAGLE-3 aux-hidden-"
             f"state path, which {model.architectures} does not have; use a policy that reads none "
             "(streaming, keydiff, lagkv, random)"
         )
-    if queries and model.hf_config.model_type not in QUERY_MODELS:
+    kind = model.hf_config.model_type
+    native = kind in QUERY_MODELS or (kind in ARCHITECTURES and _on_transformers_backend(model))
+    if queries and not native:
         raise Refused(
             f"epikv: policy {spec.policy.name!r} recomputes queries, built for model types "
             f"{sorted(QUERY_MODELS)} in vLLM, not {model.hf_config.model_type!r}"
@@ -252,10 +248,10 @@ QUERY_MODELS = frozenset(
     for name, facts in ARCHITECTURES.items()
     if not facts.rope_by_layer_type and facts.rope_flag is None and not facts.nope_global
 )
-"""Model types whose queries the plugin recomputes (:mod:`epikv.vllm.queries`): every layer applies
-its own RoPE module. Left out: per-layer-kind tables and layers without RoPE (Gemma 3, OLMo-3, EXAONE
-4, SmolLM3), which vLLM runs without the aux-hidden-state path Seg-Q reads or by its Transformers
-backend, so no test could run them."""
+"""Model types whose queries the plugin recomputes with vLLM's own modules (:mod:`epikv.vllm.queries`):
+every layer applies its own RoPE module. Left out: per-layer-kind tables and layers without RoPE
+(Gemma 3, EXAONE 4), whose vLLM classes also lack the aux-hidden-state path Seg-Q reads. On vLLM's
+Transformers backend the queries follow epikv's engine's path on transformers' modules, every type."""
 
 
 def _window_problem(model: Any) -> str | None:
