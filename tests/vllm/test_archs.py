@@ -1,15 +1,18 @@
-"""The plugin on every model type of epikv's architecture table that vLLM's CPU backend runs beside
-Llama (which the embedded model covers): Qwen2 (q/k/v with biases), Mistral, Qwen3 and Qwen3-MoE (a
-query norm per head), Phi-3 (fused qkv, partial RoPE), GLM-4.5 (no aux-hidden-state path in vLLM),
-OLMo-2 and Seed-OSS (vLLM's Transformers backend), and the hybrids with sliding-window layers: Gemma 3
-and EXAONE 4 (no aux-hidden-state path), gpt-oss (learned sinks, half-width RoPE tables), OLMo-3 and
-SmolLM3 (Transformers backend). Each is epikv's tiny model of that type (:mod:`epikv.models.tiny`)
-with heads of 32 and weights drawn at std 0.2 (Gemma 3: 0.02), so logits are far from flat and token
-comparisons mean something. Per type: ``full`` under the plugin gives plain vLLM's tokens;
-``streaming`` keeps exactly epikv's engine's position sets at every compaction and yields its tokens
-(a hybrid's sliding layers stay vLLM's own: its tokens would differ if a compaction touched them);
-Seg-Q stays within its cap and its recomputed queries equal the ones vLLM's attention receives, or is
-refused at start-up with the reason. ``test_hybrids.py`` checks the hybrids' blocks and admission."""
+"""The plugin on every model type of epikv's architecture table beside Llama (which the embedded
+model covers), all of which vLLM's CPU backend runs: Qwen2 (q/k/v with biases), Mistral, Qwen3 and
+Qwen3-MoE (a query norm per head), Phi-3 (fused qkv, partial RoPE), GLM-4.5, OLMo-2 and Seed-OSS, and
+the hybrids with sliding-window layers: Gemma 3, EXAONE 4, gpt-oss (learned sinks, half-width RoPE
+tables), OLMo-3 and SmolLM3. OLMo-2, Seed-OSS, OLMo-3 and SmolLM3 run on vLLM's Transformers backend;
+GLM-4.5, Gemma 3 and EXAONE 4 run natively without the aux-hidden-state path Seg-Q reads, and on that
+backend with ``--model-impl transformers``. Each is epikv's tiny model of that type
+(:mod:`epikv.models.tiny`) with heads of 32 and weights drawn at std 0.2 (Gemma 3: 0.02), so logits
+are far from flat and token comparisons mean something. Per type: ``full`` under the plugin gives
+plain vLLM's tokens; ``streaming`` keeps exactly epikv's engine's position sets at every compaction
+and yields its tokens (a hybrid's sliding layers stay vLLM's own: its tokens would differ if a
+compaction touched them); Seg-Q stays within its cap and its recomputed queries equal the ones vLLM's
+attention receives (natively refused first where the path is missing, with the line). Seg-Q's kept
+sets equal epikv's engine's on four types whose query path is least like Llama's.
+``test_hybrids.py`` checks the hybrids' blocks and admission."""
 
 from __future__ import annotations
 
@@ -85,11 +88,12 @@ def test_streaming_keeps_exactly_epikvs_sets_at_every_compaction(arch, tmp_path)
 
 def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
     kind, folder, prompts = arch
-    if kind in NO_QUERIES:  # Seg-Q reads the residual stream through that path: refused at start-up
-        with pytest.raises(Refused, match="aux-hidden-state path"):
-            _llm(folder, **epikv.vllm.engine_kwargs("epikv", 48, interval=8))
-        return
-    llm = _llm(folder, **epikv.vllm.engine_kwargs("epikv", 48, interval=8))
+    options = epikv.vllm.engine_kwargs("epikv", 48, interval=8)
+    if kind in NO_QUERIES:  # Seg-Q reads the residual stream through that path: refused at start-up,
+        with pytest.raises(Refused, match=r"aux-hidden-state path.*--model-impl transformers"):
+            _llm(folder, **options)
+        options["model_impl"] = "transformers"  # and runs where the refusal points: transformers' modules
+    llm = _llm(folder, **options)
     state = worker_state(llm)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     layer = state.spec.policy.query_layer
@@ -125,7 +129,7 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
     assert sum(c["evictions"] for c in counters) > 0
 
 
-SETS = ("gpt_oss", "olmo3", "smollm3")
+SETS = ("gpt_oss", "olmo3", "smollm3", "exaone4")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -142,14 +146,16 @@ def sets_models(embedded, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("kind", SETS)
 def test_seg_q_keeps_exactly_epikvs_sets_and_tokens(kind, sets_models, tmp_path):
     """Seg-Q end to end where its query path is least like Llama's: a native hybrid with learned sinks
-    (gpt-oss), and on vLLM's Transformers backend a hybrid with a RoPE table per layer kind (OLMo-3)
-    and layers without RoPE (SmolLM3): the band layers' hidden states, the recomputed queries and the
-    scores all meet in the kept sets, which equal epikv's engine's at every compaction."""
+    (gpt-oss), and on vLLM's Transformers backend a hybrid with a RoPE table per layer kind (OLMo-3),
+    layers without RoPE (SmolLM3) and a hybrid whose global layers have none (EXAONE 4, on that
+    backend by ``--model-impl transformers``): the band layers' hidden states, the recomputed queries
+    and the scores all meet in the kept sets, which equal epikv's engine's at every compaction."""
     folder = sets_models[kind]
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
     trace = tmp_path / "kept.jsonl"
-    llm = _llm(folder, **epikv.vllm.engine_kwargs("epikv", 40, trace=str(trace)))
+    impl = {"model_impl": "transformers"} if kind in NO_QUERIES else {}
+    llm = _llm(folder, **impl, **epikv.vllm.engine_kwargs("epikv", 40, trace=str(trace)))
     out = generate(llm, prompts, 300)  # tau = 128: compactions at 168 and 296 tokens held
     close(llm)
     ref = reference_run("epikv", 40, prompts, 300, model=folder)

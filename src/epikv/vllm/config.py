@@ -231,8 +231,9 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     if spec.policy.needs().hidden_layers and not _has_aux_hidden_states(model):
         raise Refused(
             f"epikv: policy {spec.policy.name!r} reads hidden states through vLLM's EAGLE-3 aux-hidden-"
-            f"state path, which {model.architectures} does not have; use a policy that reads none "
-            "(streaming, keydiff, lagkv, random)"
+            f"state path, which vLLM's class for {model.architectures} does not have; run the model on "
+            "vLLM's Transformers backend, which has it (--model-impl transformers), or use a policy that "
+            "reads none (streaming, keydiff, lagkv, random)"
         )
     kind = model.hf_config.model_type
     native = kind in QUERY_MODELS or (kind in ARCHITECTURES and _on_transformers_backend(model))
