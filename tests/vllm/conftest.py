@@ -51,6 +51,25 @@ STD = {"gemma3_text": 0.02}
 """Weight scale where 0.2 gives one token over and over (Gemma scales embeddings by sqrt(hidden))."""
 
 
+TINY_KINDS = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "glm4_moe", "olmo2", "seed_oss",
+    "gemma3_text", "exaone4", "gpt_oss", "olmo3", "smollm3",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny(embedded: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """epikv's tiny model of every type, by type, built before any engine of the session starts: once
+    vLLM's Transformers backend has loaded a model type, it has wrapped transformers' class of it for
+    compilation, and the class builds only inside an engine from then on (9 s for all, here)."""
+    folders = {}
+    for kind in TINY_KINDS:
+        folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+        build_tiny(kind, folder, embedded["folder"])
+        folders[kind] = str(folder)
+    return folders
+
+
 def build_tiny(kind: str, folder: Path, tokenizer_folder: str) -> None:
     """epikv's tiny random model of ``kind`` saved in ``folder`` with the embedded model's tokenizer
     (so its vocabulary): heads of 32, weights at std 0.2 (biases too: Qwen2's q/k/v), so logits are

@@ -17,11 +17,10 @@ sets equal epikv's engine's on four types whose query path is least like Llama's
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
+from conftest import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused
@@ -45,12 +44,10 @@ NO_QUERIES = ("glm4_moe", "gemma3_text", "exaone4")  # Seg-Q refused: no aux-hid
 
 
 @pytest.fixture(scope="module", params=QUERIES + NO_QUERIES)
-def arch(request, embedded, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    build_tiny(request.param, folder, embedded["folder"])
+def arch(request, tiny):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
-    return request.param, str(folder), prompts
+    return request.param, tiny[request.param], prompts
 
 
 def _llm(folder: str, **kwargs):
@@ -132,25 +129,14 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(arch):
 SETS = ("gpt_oss", "olmo3", "smollm3", "exaone4")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def sets_models(embedded, tmp_path_factory) -> dict[str, str]:
-    """Built before any engine of this module starts: once vLLM's Transformers backend loads a model
-    type, it wraps transformers' class of it for compilation, which then builds only inside an engine."""
-    folders = {}
-    for kind in SETS:
-        folders[kind] = str(tmp_path_factory.mktemp(f"sets-{kind}"))
-        build_tiny(kind, Path(folders[kind]), embedded["folder"])
-    return folders
-
-
 @pytest.mark.parametrize("kind", SETS)
-def test_seg_q_keeps_exactly_epikvs_sets_and_tokens(kind, sets_models, tmp_path):
+def test_seg_q_keeps_exactly_epikvs_sets_and_tokens(kind, tiny, tmp_path):
     """Seg-Q end to end where its query path is least like Llama's: a native hybrid with learned sinks
     (gpt-oss), and on vLLM's Transformers backend a hybrid with a RoPE table per layer kind (OLMo-3),
     layers without RoPE (SmolLM3) and a hybrid whose global layers have none (EXAONE 4, on that
     backend by ``--model-impl transformers``): the band layers' hidden states, the recomputed queries
     and the scores all meet in the kept sets, which equal epikv's engine's at every compaction."""
-    folder = sets_models[kind]
+    folder = tiny[kind]
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
     trace = tmp_path / "kept.jsonl"

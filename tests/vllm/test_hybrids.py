@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny, close, generate, make_llm, worker_state
+from conftest import close, generate, make_llm, worker_state
 
 import epikv.vllm
 from epikv.vllm.scheduler import EpiKVAttentionManager
@@ -17,11 +17,9 @@ BLOCK = 32
 
 
 @pytest.fixture(scope="module")
-def gemma3(embedded, tmp_path_factory):
-    """Epikv's tiny Gemma 3: sliding window of 6 in layers 0 and 2, global layers 1 and 3."""
-    folder = tmp_path_factory.mktemp("gemma3_text")
-    build_tiny("gemma3_text", folder, embedded["folder"])
-    return str(folder)
+def gemma3(tiny):
+    """epikv's tiny Gemma 3: a sliding window of 6 in layers 0 and 2, global layers 1 and 3."""
+    return tiny["gemma3_text"]
 
 
 def _prompts(lengths):

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import build_tiny, close, generate, kept_sets, make_llm, tokens
+from conftest import close, generate, kept_sets, make_llm, tokens
 
 import epikv.vllm
 
@@ -26,19 +26,17 @@ N = 48
 
 
 @pytest.fixture(scope="module")
-def tiny(embedded, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tp-llama")
-    build_tiny("llama", folder, embedded["folder"])
+def llama(tiny):
     gen = torch.Generator().manual_seed(2)
-    return str(folder), [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 24)]
+    return tiny["llama"], [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 24)]
 
 
 CPUS = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="tensor parallelism 2 binds one CPU to each rank")
 
 
-def run(tiny: Any, tp: int, policy: str | None = None, budget: int | None = None, **settings: Any):
-    folder, prompts = tiny
+def run(llama: Any, tp: int, policy: str | None = None, budget: int | None = None, **settings: Any):
+    folder, prompts = llama
     kwargs = {} if policy is None else epikv.vllm.engine_kwargs(policy, budget, **settings)
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
@@ -51,32 +49,32 @@ def run(tiny: Any, tp: int, policy: str | None = None, budget: int | None = None
 
 
 @pytest.fixture(scope="module")
-def plain(tiny):
-    return {tp: tokens(run(tiny, tp)) for tp in (1, 2)}
+def plain(llama):
+    return {tp: tokens(run(llama, tp)) for tp in (1, 2)}
 
 
-def test_plain_vllm_at_tp2_gives_its_tp1_tokens_on_this_model(tiny, plain):
+def test_plain_vllm_at_tp2_gives_its_tp1_tokens_on_this_model(llama, plain):
     assert plain[2] == plain[1]
-    assert len({tuple(t) for t in plain[1]}) == len(tiny[1])  # not one flat answer for every prompt
+    assert len({tuple(t) for t in plain[1]}) == len(llama[1])  # not one flat answer for every prompt
 
 
-def test_full_under_the_plugin_at_tp2_gives_plain_vllms_tp2_tokens(tiny, plain):
-    assert tokens(run(tiny, 2, "full")) == plain[2]
+def test_full_under_the_plugin_at_tp2_gives_plain_vllms_tp2_tokens(llama, plain):
+    assert tokens(run(llama, 2, "full")) == plain[2]
 
 
 @pytest.mark.parametrize(
     ("policy", "budget", "interval"), [("streaming", 24, 1), ("epikv", 40, 8), ("keydiff", 40, 8)]
 )
-def test_every_rank_keeps_tp1s_positions_at_every_compaction(tiny, tmp_path, policy, budget, interval):
+def test_every_rank_keeps_tp1s_positions_at_every_compaction(llama, tmp_path, policy, budget, interval):
     kept, toks, counters = {}, {}, {}
     for tp in (1, 2):
         trace = tmp_path / f"tp{tp}.jsonl"
-        out = run(tiny, tp, policy, budget, interval=interval, trace=str(trace))
+        out = run(llama, tp, policy, budget, interval=interval, trace=str(trace))
         kept[tp], toks[tp] = kept_sets(trace, out), tokens(out)
         counters[tp] = [o.kv_transfer_params["epikv"] for o in out]
-    assert sum(len(sets) for sets in kept[1]) >= len(tiny[1])  # every request compacted
+    assert sum(len(sets) for sets in kept[1]) >= len(llama[1])  # every request compacted
     assert kept[2] == kept[1]
     assert toks[2] == toks[1]
     assert counters[2] == counters[1]
-    for c, prompt in zip(counters[2], tiny[1], strict=True):
+    for c, prompt in zip(counters[2], llama[1], strict=True):
         assert c["peak_cache_tokens"] <= max(len(prompt), budget) + interval
