@@ -86,3 +86,27 @@ def test_admission_leaves_the_sliding_windows_room_so_no_request_is_preempted(ge
     assert reasons == ["length"] * 8 and lengths == [100] * 8
     reasons, _ = _tight_run(gemma3, headroom=False)  # the control: without it, the pool runs dry
     assert "error" in reasons
+
+
+def test_a_shared_prefix_hits_vllms_cache_with_the_same_tokens(gemma3):
+    """Prefix caching on a hybrid (both groups' blocks of a shared prompt prefix reused): a policy that
+    protects the prompt gives the same tokens and counters as without the cache."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 40000, (70,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (5, 9, 12)]
+    runs = {}
+    for cached in (False, True):
+        llm = make_llm(
+            gemma3,
+            max_model_len=512,
+            enable_prefix_caching=cached,
+            **epikv.vllm.engine_kwargs("keydiff", 110),
+        )
+        outs = [generate(llm, [p], 60)[0] for p in prompts]  # one after another: later ones can hit
+        close(llm)
+        runs[cached] = outs
+    assert [o.num_cached_tokens for o in runs[True]] == [0, 64, 64]  # two whole blocks of the prefix
+    for plain, cached in zip(runs[False], runs[True], strict=True):
+        assert list(cached.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+        assert cached.kv_transfer_params["epikv"] == plain.kv_transfer_params["epikv"]
+        assert plain.kv_transfer_params["epikv"]["evictions"] > 0
