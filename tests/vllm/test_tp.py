@@ -9,7 +9,8 @@ plain vLLM's tp = 2 gives its tp = 1 tokens on this model (so tp = 1 is the refe
 the plugin at tp = 2 gives plain vLLM's tp = 2 tokens; for ``streaming`` (positions only), ``epikv``
 (Seg-Q: key variance over every head, queries recomputed per rank and gathered) and ``keydiff`` (per
 head: each rank moves its own head), the kept position sets at every compaction, the tokens and the
-counters at tp = 2 equal tp = 1's."""
+counters at tp = 2 equal tp = 1's; and on two hybrids (Gemma 3 with ``keydiff``, gpt-oss with Seg-Q)
+the kept sets and tokens at tp = 2 equal tp = 1's."""
 
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ def test_every_rank_keeps_tp1s_positions_at_every_compaction(llama, tmp_path, po
     assert counters[2] == counters[1]
     for c, prompt in zip(counters[2], llama[1], strict=True):
         assert c["peak_cache_tokens"] <= max(len(prompt), budget) + interval
+
+
+@pytest.mark.parametrize(("kind", "policy"), [("gemma3_text", "keydiff"), ("gpt_oss", "epikv")])
+def test_a_hybrid_at_tp2_keeps_tp1s_positions_and_tokens(tiny, tmp_path, kind, policy):
+    """A hybrid (sliding window of 6 in layers 0 and 2) splits its heads like any model: the global
+    group's pages per rank, the sliding group vLLM's on each rank."""
+    gen = torch.Generator().manual_seed(2)
+    model = (tiny[kind], [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 24)])
+    kept, toks = {}, {}
+    for tp in (1, 2):
+        trace = tmp_path / f"tp{tp}.jsonl"
+        out = run(model, tp, policy, 40, interval=8, trace=str(trace))
+        kept[tp], toks[tp] = kept_sets(trace, out), tokens(out)
+    assert sum(len(sets) for sets in kept[1]) >= 3  # every request compacted
+    assert kept[2] == kept[1]
+    assert toks[2] == toks[1]

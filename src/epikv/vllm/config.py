@@ -202,11 +202,6 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
         ),
         (window is not None, str(window)),
         (
-            parallel.tensor_parallel_size > 1 and bool(sliding_layers(hf)[0]),
-            "tensor parallelism with sliding-window layers is not supported yet (each alone is; "
-            "together they were not tested)",
-        ),
-        (
             evicts and _uses_alibi(model),
             "ALiBi models are not supported: vLLM's kernels would bias by physical slots, so every "
             "distance is wrong once tokens are evicted",
