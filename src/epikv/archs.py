@@ -107,6 +107,31 @@ ARCHITECTURES: dict[str, ArchFacts] = {
 """Partial RoPE (Phi-3's partial_rotary_factor, GLM-4.5's half-rotated heads) needs no field: the
 model's rotary tables are only as wide as the rotated part, and :func:`apply_rope` rotates that much."""
 
+
+def window_problem(config: Any, model_type: str) -> str | None:
+    """Why a model's sliding windows cannot be kept, or None (both hosts refuse with this line): a
+    hybrid of the table evicts in its global layers and keeps its sliding ones; any other model type
+    with a window, layer kinds other than full and sliding, or a window in every layer is refused."""
+    sliding, window = sliding_layers(config)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"model type {model_type!r} has layer types {sorted(kinds)}; epikv knows full and sliding"
+    if not sliding:
+        return None
+    facts = ARCHITECTURES.get(model_type)
+    if facts is None or not facts.hybrid:
+        return (
+            f"model type {model_type!r} with a sliding window (sliding_window={window}) is not supported: "
+            "a window over compacted slots would mask the wrong tokens"
+        )
+    if len(sliding) == config.num_hidden_layers:
+        return (
+            f"model type {model_type!r} has a sliding window in every layer (sliding_window={window}): "
+            "there is no global layer to evict in, its cache is already bounded"
+        )
+    return None
+
+
 _MLA = (
     "uses multi-head latent attention (MLA): its cache holds one compressed latent per token, "
     "not per-head keys and values that eviction scores and keeps"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epikv.archs import ARCHITECTURES, NOT_YET, ArchFacts
+from epikv.archs import ARCHITECTURES, NOT_YET, ArchFacts, window_problem
 from epikv.archs import sliding_layers as config_sliding_layers
 from epikv.policies.base import ModelInfo
 
@@ -40,22 +40,9 @@ def check_supported(model: nn.Module) -> ArchFacts:
             "eviction needs RoPE attention in global (not sliding-window) layers"
         )
     spec = ARCHITECTURES[model_type]
-    sliding, window = sliding_layers(model)
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds - {"full_attention", "sliding_attention"}:
-        raise ValueError(
-            f"model type {model_type!r} has layer types {sorted(kinds)}; epikv knows full and sliding"
-        )
-    if sliding and not spec.hybrid:
-        raise ValueError(
-            f"model type {model_type!r} with a sliding window (sliding_window={window}) is not supported: "
-            "a window over compacted slots would mask the wrong tokens"
-        )
-    if len(sliding) == config.num_hidden_layers:
-        raise ValueError(
-            f"model type {model_type!r} has a sliding window in every layer (sliding_window={window}): "
-            "there is no global layer to evict in, its cache is already bounded"
-        )
+    problem = window_problem(config, model_type)
+    if problem is not None:
+        raise ValueError(problem)
     if getattr(text_model(model), "rotary_emb", None) is None:
         raise ValueError(f"model type {model_type!r} has no rotary embedding; true positions cannot be kept")
     attn = decoder_layers(model)[0].self_attn

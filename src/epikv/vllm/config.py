@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from epikv.archs import ARCHITECTURES, sliding_layers
+from epikv.archs import ARCHITECTURES, sliding_layers, window_problem
 from epikv.errors import BudgetOutOfRange
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec, parse_budget
@@ -169,7 +169,7 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     hf = model.hf_text_config
     evicts, queries = spec.evicts, spec.policy.needs().query_layer is not None
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    window = _window_problem(model)
+    window = window_problem(hf, model.hf_config.model_type)
     checks = [
         (
             not current_platform.is_cpu(),
@@ -240,7 +240,7 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     if queries and not native:
         raise Refused(
             f"epikv: policy {spec.policy.name!r} recomputes queries, built for model types "
-            f"{sorted(QUERY_MODELS)} in vLLM, not {model.hf_config.model_type!r}"
+            f"{sorted(QUERY_MODELS)} in vLLM, not {kind!r}"
         )
 
 
@@ -253,32 +253,6 @@ QUERY_MODELS = frozenset(
 every layer applies its own RoPE module. Left out: per-layer-kind tables and layers without RoPE
 (Gemma 3, EXAONE 4), whose vLLM classes also lack the aux-hidden-state path Seg-Q reads. On vLLM's
 Transformers backend the queries follow epikv's engine's path on transformers' modules, every type."""
-
-
-def _window_problem(model: Any) -> str | None:
-    """Why the model's sliding windows cannot run under the plugin, or None: a hybrid of the table
-    (:data:`~epikv.archs.ARCHITECTURES`) evicts in its global layers and leaves its sliding layers to
-    vLLM; any other model type with a window, or a window in every layer, is refused."""
-    hf = model.hf_text_config
-    sliding, window = sliding_layers(hf)
-    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
-    kind = model.hf_config.model_type
-    if kinds - {"full_attention", "sliding_attention"}:
-        return f"model type {kind!r} has layer types {sorted(kinds)}; the plugin knows full and sliding"
-    if not sliding:
-        return None
-    facts = ARCHITECTURES.get(kind)
-    if facts is None or not facts.hybrid:
-        return (
-            f"model type {kind!r} with a sliding window (sliding_window={window}) is not supported: a "
-            "window over compacted slots would mask the wrong tokens"
-        )
-    if len(sliding) == hf.num_hidden_layers:
-        return (
-            f"model type {kind!r} has a sliding window in every layer (sliding_window={window}): there "
-            "is no global layer to evict in, its cache is already bounded"
-        )
-    return None
 
 
 ALIBI_MODELS = {"bloom", "mpt", "jais", "baichuan"}  # attention biased by distance, not RoPE
