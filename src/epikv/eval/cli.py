@@ -18,9 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from epikv.errors import Interrupted
-from epikv.eval.config import EvalConfig
+from epikv.eval.config import ENGINES, EvalConfig
 from epikv.eval.fit import unfit_error
-from epikv.eval.generator import EngineFactory, Generator, engine_for_model, generator_factory
+from epikv.eval.generator import (
+    EngineFactory,
+    Generator,
+    engine_for_config,
+    engine_for_model,
+    generator_factory,
+)
 from epikv.eval.plan import describe_selection
 from epikv.eval.plots import draw_all
 from epikv.eval.ray_runner import add_ray_arguments, ray_eval_command, ray_requested
@@ -100,6 +106,19 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=DTYPE_CHOICES,
         help=DTYPE_HELP + "; saved resolved (default float32)",
     )
+    parser.add_argument(
+        "--engine",
+        default="epikv",
+        choices=ENGINES,
+        help="what generates: epikv's own engine, or vLLM with the epikv plugin (eager, or vLLM's "
+        "compiled default); a vLLM batch is one generate call with every prompt of --batch-size at once",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the Python that runs vLLM (default: $EPIKV_VLLM_PYTHON, this one if it has vLLM, "
+        "else .venv-vllm/bin/python)",
+    )
     add_ray_arguments(parser)
     parser.set_defaults(func=eval_command)
     return parser
@@ -152,6 +171,8 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
                 policy_params=json.loads(json.dumps(params[policy])),  # saved (JSON) form: tuples as lists
                 progress=not args.no_progress,
                 dtype=dtype,
+                engine=getattr(args, "engine", "epikv"),
+                vllm_python=getattr(args, "vllm_python", None),
             )
         )
     return configs
@@ -165,14 +186,14 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     parse_threads(threads)
     check_output_dir(args.out)
     if ray_requested(args):
+        if configs[0].engine != "epikv":
+            raise ValueError(f"--ray runs epikv's own engine; --engine {configs[0].engine} runs here only")
         return ray_eval_command(args, configs, engine)
     plans = [plan_run(config) for config in configs]
     print(describe_selection(plans), flush=True)
     print(apply_threads(threads), flush=True)  # beside the selection: errors stay one line on stderr
-    # Resolved at call time so tests can replace the module-level factory.
-    engine = engine or _default_generator_factory(args.model, dtype=configs[0].dtype)
     # Built only for runs that owe work, so a finished run never loads a model.
-    generators = [_build(engine, p.config) if p.work else None for p in plans]
+    generators = [_build(engine or _engine(p.config), p.config) if p.work else None for p in plans]
     checks = [check_plan(p, g) if g is not None else None for p, g in zip(plans, generators, strict=True)]
     unfit = [c for c in checks if c is not None and c.unfit]
     if unfit and not args.skip_unfit:
@@ -184,6 +205,7 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
         for plan, generator, check in zip(plans, generators, checks, strict=True):
             outcome = execute(plan, generator, check)
             _save_spec(outcome.folder, generator)
+            getattr(generator, "close", lambda: None)()  # a vLLM worker ends with its run
             config = outcome.config
             runs.append(
                 RunSummary(outcome.folder, plan.task.name, config.policy, config.budget, outcome.summary)
@@ -211,6 +233,14 @@ def _kept(plans: Sequence[RunPlan], finished: int, out: str) -> str:
         f"{results} results are kept under {out} ({finished} of {len(plans)} runs finished); "
         "run the same command again to resume"
     )
+
+
+def _engine(config: EvalConfig) -> EngineFactory:
+    """The engine of a resolved config: epikv's through the module-level factory (resolved at call
+    time, so tests can replace it), vLLM's through :func:`engine_for_config`."""
+    if config.engine == "epikv":
+        return _default_generator_factory(config.model, dtype=config.dtype)
+    return engine_for_config(config)
 
 
 def _build(engine: EngineFactory, config: EvalConfig) -> Generator:

@@ -18,10 +18,13 @@ from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
 
 # Fields that choose which examples run or how fast, not what any one result is: they may change
 # between invocations on the same run folder. Every other field must match the saved config.
-NON_RESULT_FIELDS = frozenset({"out", "limit", "offset", "batch_size", "shard", "progress"})
+NON_RESULT_FIELDS = frozenset({"out", "limit", "offset", "batch_size", "shard", "progress", "vllm_python"})
 # Fields describing one process rather than the run; left out of config.json so that concurrent
 # shards write identical files.
-UNSAVED_FIELDS = frozenset({"out", "shard", "progress"})
+UNSAVED_FIELDS = frozenset({"out", "shard", "progress", "vllm_python"})
+# What generates: epikv's own engine, or vLLM with the epikv plugin (eager, or vLLM's default compiled
+# mode): a result-affecting field, so a run folder never mixes engines.
+ENGINES = ("epikv", "vllm", "vllm-compiled")
 _SHARD = re.compile(r"^(\d+)/(\d+)$")
 
 
@@ -66,6 +69,8 @@ class EvalConfig:
     system_prompt: str = PAPER_SYSTEM_PROMPT
     progress: bool = True
     dtype: str = "float32"  # resolved (never "auto"): a resumed run keeps the precision it started with
+    engine: str = "epikv"
+    vllm_python: str | None = None  # the Python that runs vLLM (engine vllm); None: found by rule
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -80,6 +85,8 @@ class EvalConfig:
             raise ValueError(
                 f"dtype must be float32, bfloat16 or float16 (auto is resolved first), got {self.dtype!r}"
             )
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.policy):
             raise ValueError(f"policy must be a plain name (letters, digits, _.+-), got {self.policy!r}")
 
@@ -132,7 +139,7 @@ def saved_form(config: EvalConfig) -> dict[str, Any]:
 
 
 # Fields added after runs were saved without them, with the value those runs had.
-SAVED_BEFORE = {"dtype": "float32"}
+SAVED_BEFORE = {"dtype": "float32", "engine": "epikv"}
 
 
 def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -60,6 +60,27 @@ def engine_for_model(model_name: str | None, dtype: str = "float32") -> EngineFa
     return partial(make_generator, model_name, dtype=dtype)
 
 
+def engine_for_config(config: EvalConfig) -> EngineFactory:
+    """The engine a (resolved) config names: epikv's own (:func:`engine_for_model`), or vLLM with the
+    epikv plugin (:class:`epikv.eval.vllm_generator.VllmGenerator`; a batch is one ``generate`` call
+    with every prompt running at once)."""
+    if config.engine == "epikv":
+        return engine_for_model(config.model, dtype=config.dtype)
+    from epikv.eval.vllm_generator import VllmGenerator
+
+    if config.max_new_tokens is None:
+        raise ValueError("engine vllm needs the run's max_new_tokens resolved against its task first")
+    return partial(
+        VllmGenerator,
+        config.model,
+        dtype=config.dtype,
+        max_new_tokens=config.max_new_tokens,
+        max_num_seqs=config.batch_size,
+        enforce_eager=config.engine == "vllm",
+        python=config.vllm_python,
+    )
+
+
 def generator_factory(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:
     """The engine with one run's interval and policy parameters bound: what `run_eval` calls."""
 

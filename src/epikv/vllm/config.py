@@ -136,9 +136,14 @@ def plan_request(
 def model_info(vllm_config: Any) -> ModelInfo:
     """What a policy may know of the served model, from vLLM's model config."""
     model_config = vllm_config.model_config
-    hf = model_config.hf_text_config
-    heads = hf.num_attention_heads
     identity = getattr(model_config.hf_config, "epikv_model_id", None) or str(model_config.model)
+    return hf_model_info(model_config.hf_text_config, identity)
+
+
+def hf_model_info(hf: Any, identity: str) -> ModelInfo:
+    """:class:`ModelInfo` from a transformers text config: what the plugin's spec is built from, and
+    what a client outside vLLM (``epikv eval --engine vllm``) builds the same spec from."""
+    heads = hf.num_attention_heads
     sliding, window = sliding_layers(hf)
     return ModelInfo(
         identity=identity,
