@@ -115,3 +115,21 @@ def test_hub_without_datasets_package_is_a_clear_error() -> None:
             load_hub_task("hf:HuggingFaceH4/MATH-500")
     else:
         pytest.skip("datasets is installed; the offline error path cannot be exercised")
+
+
+def test_a_shuffled_builtin_task_is_a_fixed_seeded_order_whose_prefixes_are_samples():
+    import hashlib
+
+    from epikv.eval.tasks import load_builtin, load_task
+
+    whole = load_builtin("gsm8k")
+    task = load_task("gsm8k:shuffle=3")
+    assert task.name == "gsm8k-shuffle3" and task.grader == whole.grader and len(task) == len(whole)
+    expected = sorted(whole, key=lambda e: hashlib.sha256(f"3:{e.id}".encode()).hexdigest())
+    assert [e.id for e in task] == [e.id for e in expected]
+    assert [e.index for e in task][:3] == [int(e.id.split("-")[1]) for e in expected[:3]]  # full-set index
+    assert {e.id for e in task} == {e.id for e in whole}
+    assert [e.id for e in load_task("gsm8k:shuffle=3").slice(0, 50)] == [e.id for e in task][:50]
+    assert [e.id for e in load_task("gsm8k:shuffle=4")][:20] != [e.id for e in task][:20]
+    with pytest.raises(ValueError, match=r"only shuffle=SEED"):
+        load_task("gsm8k:shuffle=x")

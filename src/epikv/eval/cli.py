@@ -193,7 +193,8 @@ def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) 
     print(describe_selection(plans), flush=True)
     print(apply_threads(threads), flush=True)  # beside the selection: errors stay one line on stderr
     # Built only for runs that owe work, so a finished run never loads a model.
-    generators = [_build(engine or _engine(p.config), p.config) if p.work else None for p in plans]
+    engines: dict[str, EngineFactory] = {}  # epikv's engine is made once and serves every run
+    generators = [_build(engine or _engine(p.config, engines), p.config) if p.work else None for p in plans]
     checks = [check_plan(p, g) if g is not None else None for p, g in zip(plans, generators, strict=True)]
     unfit = [c for c in checks if c is not None and c.unfit]
     if unfit and not args.skip_unfit:
@@ -235,12 +236,15 @@ def _kept(plans: Sequence[RunPlan], finished: int, out: str) -> str:
     )
 
 
-def _engine(config: EvalConfig) -> EngineFactory:
+def _engine(config: EvalConfig, made: dict[str, EngineFactory]) -> EngineFactory:
     """The engine of a resolved config: epikv's through the module-level factory (resolved at call
-    time, so tests can replace it), vLLM's through :func:`engine_for_config`."""
-    if config.engine == "epikv":
-        return _default_generator_factory(config.model, dtype=config.dtype)
-    return engine_for_config(config)
+    time, so tests can replace it; made once, kept in ``made``), vLLM's through
+    :func:`engine_for_config` (one worker per run)."""
+    if config.engine != "epikv":
+        return engine_for_config(config)
+    if "epikv" not in made:
+        made["epikv"] = _default_generator_factory(config.model, dtype=config.dtype)
+    return made["epikv"]
 
 
 def _build(engine: EngineFactory, config: EvalConfig) -> Generator:

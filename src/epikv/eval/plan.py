@@ -90,7 +90,7 @@ class RunPlan:
 
     def selection(self) -> dict[str, Any]:
         """What was selected, as recorded in summary.json."""
-        first = self.task[0].index
+        first = self.config.offset  # positions in the task's order (a shuffled task too)
         return {
             "dataset_size": self.dataset_size,
             "problems": len(self.task),

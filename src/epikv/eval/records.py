@@ -69,6 +69,9 @@ class ExampleResult(_Line):
     evictions: int
     text: str
     mean_cache_tokens: float | None = None  # absent from records written before it was kept
+    # The generated token ids (absent from records written before they were kept): the loop
+    # detectors and first divergences are recomputed from them without a model.
+    token_ids: list[int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExampleResult:

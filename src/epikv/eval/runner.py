@@ -94,6 +94,7 @@ def make_record(
         evictions=result.evictions,
         text=result.text,
         mean_cache_tokens=result.mean_cache_tokens,
+        token_ids=list(result.token_ids),
     )
 
 

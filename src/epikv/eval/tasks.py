@@ -15,6 +15,7 @@ dataset can change under the same name.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -148,10 +149,27 @@ def load_jsonl(path: Path, grader: str = "math") -> Task:
     return Task(name, examples_from_rows(rows, str(path)), grader)
 
 
+def shuffled(task: Task, seed: int) -> Task:
+    """``task`` in a fixed order drawn from ``seed``: sorted by sha256 of ``"<seed>:<id>"``, the same on
+    every machine and version. Any prefix (``--limit N``) is then a seeded random sample of N
+    problems, and a larger N keeps the smaller one's problems; the last problems are disjoint from
+    every prefix that stops before them (a hold-out, e.g. for calibration). Examples keep their
+    ``index`` in the full dataset."""
+    order = sorted(task, key=lambda e: hashlib.sha256(f"{seed}:{e.id}".encode()).hexdigest())
+    return Task(f"{task.name}-shuffle{seed}", order, task.grader, task.max_new_tokens)
+
+
 def load_task(spec: str) -> Task:
-    """A task by builtin name, JSONL path, or `hf:DATASET[:CONFIG][:SPLIT]` (needs `datasets` and network)."""
+    """A task by builtin name (``NAME:shuffle=SEED`` for :func:`shuffled`), JSONL path, or
+    `hf:DATASET[:CONFIG][:SPLIT]` (needs `datasets` and network)."""
     if spec in BUILTIN_TASKS:
         return load_builtin(spec)
+    name, _, option = spec.partition(":")
+    if name in BUILTIN_TASKS:
+        match = re.fullmatch(r"shuffle=(\d+)", option)
+        if match is None:
+            raise ValueError(f"dataset {spec!r}: after {name}: only shuffle=SEED (a whole number) is known")
+        return shuffled(load_builtin(name), int(match.group(1)))
     if spec.startswith("hf:"):
         return load_hub_task(spec)
     path = Path(spec)

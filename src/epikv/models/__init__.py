@@ -31,6 +31,8 @@ from epikv.models.loading import (
     ModelLoadError,
     bf16_matrix_units,
     load_model,
+    load_tokenizer,
+    model_source,
     resolve_dtype,
 )
 from epikv.models.packaged import (
@@ -69,8 +71,10 @@ __all__ = [
     "is_embedded_name",
     "load_model",
     "load_packaged",
+    "load_tokenizer",
     "model_cache_dir",
     "model_identity",
+    "model_source",
     "packaged_folder",
     "packaged_model",
     "resolve_dtype",
