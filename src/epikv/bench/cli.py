@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from epikv.bench.accuracy.cli import add_accuracy_parser
 from epikv.bench.shared import documents
 from epikv.outputs import check_output_dir, check_output_file
 
@@ -173,6 +174,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     table.add_argument("--genres", type=_names, default=None, help="fidelity result: genres to print")
     table.add_argument("--datasets", type=_names, default=None, help="loops result: datasets to print")
     table.set_defaults(func=cmd_table)
+    add_accuracy_parser(kinds)
 
 
 def build_config(kind: str, args: argparse.Namespace) -> Any:

@@ -28,6 +28,21 @@ def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU's model name and the vector flags that decide fp32/bf16 speed (from /proc/cpuinfo):
+    recorded beside every timing, since the project's machines differ in them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "flags": []}
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return {"model": model, "flags": [f for f in SPEED_FLAGS if f in flags]}
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
     """What the numbers were measured on: host, library versions, threads, load, accelerator."""
     import numpy
@@ -38,6 +53,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": load_average(),

@@ -1,0 +1,86 @@
+"""Running the accuracy study's cells, one at a time, through the eval's own runner.
+
+A cell is resumed where its run folder stopped (the eval's resume: finished problems are never
+generated again), its prompts are checked before any generation, and a problem whose prompt a
+policy cannot protect at the cell's K is recorded as skipped (the summary excludes it for every
+policy at that K). The spec the engine resolved is saved beside the records as ``spec.json``,
+as ``epikv eval`` saves it. Owns the order of the work and the per-cell estimate; the design is
+``design.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from epikv.bench.accuracy.design import Cell, Study
+from epikv.bench.shared import machine
+from epikv.eval.generator import Generator, engine_for_config, generator_factory
+from epikv.eval.plan import plan_run
+from epikv.eval.records import load_run_results, load_skipped
+from epikv.eval.runner import RunOutcome, run_eval
+
+
+def cell_status(study: Study, cell: Cell, out: str) -> dict[str, Any]:
+    """What a cell's folder holds: problems done (records and skips), owed, and its throughput."""
+    plan = plan_run(cell.config(out, study.model, study.dtype, progress=False))
+    records = load_run_results(plan.folder) if plan.folder.is_dir() else []
+    skipped = load_skipped(plan.folder) if plan.folder.is_dir() else []
+    selected = plan.selected_keys
+    done = [r for r in records if r.key in selected]
+    seconds = sum(r.seconds for r in done)
+    tokens = sum(r.tokens_generated for r in done)
+    return {
+        "cell": cell.name, "engine": cell.engine, "folder": str(plan.folder), "problems": cell.problems,
+        "done": len(done), "skipped": sum(s.key in selected for s in skipped), "owed": len(plan.work),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "mean_tokens": round(tokens / len(done), 1) if done else None,
+    }  # fmt: skip
+
+
+def estimate_minutes(status: dict[str, Any], statuses: list[dict[str, Any]]) -> float | None:
+    """Minutes the cell's owed problems take at its engine's measured speed (its own, else the mean
+    of finished cells on that engine) and its own mean length (else ``full``'s of its arm)."""
+    if not status["owed"]:
+        return 0.0
+    same = [s for s in statuses if s["engine"] == status["engine"] and s["tokens_per_s"]]
+    speed = status["tokens_per_s"] or (sum(s["tokens_per_s"] for s in same) / len(same) if same else None)
+    arm = status["cell"].split("/")[0]
+    full = next((s for s in statuses if s["cell"] == f"{arm}/full@full" and s["mean_tokens"]), None)
+    length = status["mean_tokens"] or (full["mean_tokens"] if full else None)
+    if speed is None or length is None:
+        return None
+    return round(status["owed"] * length / speed / 60, 1)
+
+
+def run_cell(study: Study, cell: Cell, out: str, progress: bool = True) -> RunOutcome:
+    """Generates what ``cell`` still owes (resuming its folder) and saves the resolved spec."""
+    config = cell.config(out, study.model, study.dtype, progress)
+    made: list[Generator] = []
+
+    def make(policy: str, budget: int | None) -> Generator:
+        resolved = plan_run(config).config  # the task's cap resolved, as the vLLM worker needs it
+        generator = generator_factory(engine_for_config(resolved), resolved)(policy, budget)
+        made.append(generator)
+        return generator
+
+    started = time.perf_counter()
+    try:
+        outcome = run_eval(config, make, skip_unfit=True)
+    finally:
+        for generator in made:
+            getattr(generator, "close", lambda: None)()
+    if made and made[0].spec is not None:
+        record = {**made[0].spec.record(), "engine": cell.engine}
+        (outcome.folder / "spec.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    elapsed = time.perf_counter() - started
+    log_path = Path(out) / "runs.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a", encoding="utf-8") as handle:  # when each piece of compute ran, and how long
+        entry = {"cell": cell.name, "generated": outcome.generated, "skipped": outcome.skipped}
+        entry |= {"wall_s": round(elapsed, 1), "ended": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        entry |= {"cpu": machine.cpu(), "load_average": machine.load_average()}
+        handle.write(json.dumps(entry) + "\n")
+    return outcome

@@ -1,0 +1,87 @@
+"""``epikv bench accuracy status|run|summarize``: the accuracy study on a model that can do the task.
+
+``status`` lists every cell with what its folder holds, what it owes and the minutes that would
+take at the speed its engine has shown; ``run`` computes cells one at a time (named, or the next N
+that owe work), resuming each; ``summarize`` recomputes every number from the run folders and
+writes ``summary.json``, ``summary.md`` and ``accuracy.png`` beside them. Nothing here runs two
+cells at once: on two cores each would halve the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = "docs/results/accuracy"
+
+
+def add_accuracy_parser(kinds: Any) -> None:
+    parser = kinds.add_parser("accuracy", help="accuracy under a budget on Qwen2.5-Coder-1.5B (issue 41)")
+    actions = parser.add_subparsers(dest="accuracy_action", required=True, metavar="ACTION")
+    status = actions.add_parser("status", help="every cell: done, owed, estimated minutes")
+    run = actions.add_parser("run", help="compute cells one at a time (resumes each)")
+    run.add_argument("--cell", action="append", default=[], help="a cell by name (repeatable)")
+    run.add_argument("--next", type=int, default=0, help="the next N cells that owe work, in order")
+    run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    summarize = actions.add_parser("summarize", help="recompute the study's numbers from its records")
+    for action in (status, run, summarize):
+        action.add_argument("--out", default=DEFAULT_OUT, help=f"the study's folder (default {DEFAULT_OUT})")
+    status.set_defaults(func=cmd_status)
+    run.set_defaults(func=cmd_run)
+    summarize.set_defaults(func=cmd_summarize)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from epikv.bench.accuracy.cells import cell_status, estimate_minutes
+    from epikv.bench.accuracy.design import Study
+
+    study = Study()
+    statuses = [cell_status(study, cell, args.out) for cell in study.cells()]
+    total = 0.0
+    for status in statuses:
+        minutes = estimate_minutes(status, statuses)
+        total += minutes or 0.0
+        shown = "?" if minutes is None else f"{minutes:.0f} min"
+        print(
+            f"{status['cell']:36} {status['engine']:14} done {status['done']:4}/{status['problems']:<4} "
+            f"skipped {status['skipped']:3} owed {status['owed']:4}  ~{shown}"
+        )
+    print(f"owed in all: ~{total / 60:.1f} h at the speeds measured so far (cells marked ? not counted)")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from epikv.bench.accuracy.cells import cell_status, run_cell
+    from epikv.bench.accuracy.design import Study
+
+    study = Study()
+    cells = [study.find(name) for name in args.cell]
+    if args.next:
+        owing = [c for c in study.cells() if c not in cells and cell_status(study, c, args.out)["owed"]]
+        cells += owing[: args.next]
+    if not cells:
+        raise ValueError("nothing to run: name cells with --cell, or ask for --next N")
+    for cell in cells:
+        print(f"cell {cell.name} on {cell.engine}", flush=True)
+        outcome = run_cell(study, cell, args.out, progress=not args.no_progress)
+        accuracy = outcome.summary.get("accuracy")
+        print(f"  generated {outcome.generated}, skipped {outcome.skipped}, accuracy {accuracy}", flush=True)
+    return 0
+
+
+def cmd_summarize(args: argparse.Namespace) -> int:
+    from epikv.bench.accuracy.design import Study
+    from epikv.bench.accuracy.report import markdown, plot
+    from epikv.bench.accuracy.summary import number_ids, summarize
+
+    study = Study()
+    result = summarize(study, args.out, number_ids(args.out, study.model))
+    out = Path(args.out)
+    (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (out / "summary.md").write_text(markdown(result), encoding="utf-8")
+    print(out / "summary.json")
+    print(out / "summary.md")
+    print(plot(result, study, out / "accuracy.png"))
+    return 0

@@ -1,0 +1,115 @@
+"""The accuracy study's design rules and statistics, on hand-made run folders (no model runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from epikv.bench.accuracy.design import Arm, Study, budgets_by_rule, paired_sample_size
+from epikv.bench.accuracy.report import markdown
+from epikv.bench.accuracy.summary import holm, summarize
+from epikv.eval.records import ExampleResult, SkippedExample, append_result
+from epikv.eval.runner import prepare_folder
+from epikv.eval.tasks import load_task
+
+
+def test_the_budget_rule_takes_fractions_of_the_median_in_whole_blocks():
+    assert budgets_by_rule([100, 400, 200, 300]) == (128, 192)  # median 250: 125 -> 128, 187.5 -> 192
+    assert budgets_by_rule([388]) == (192, 288)
+    assert budgets_by_rule([10, 20, 30]) == (32, 32)  # never below one block
+    with pytest.raises(ValueError, match="no full-cache traces"):
+        budgets_by_rule([])
+
+
+def test_the_sample_size_rule_is_connors_formula():
+    za, zb = 1.959963984540054, 0.8416212335729143
+    expected = (za * math.sqrt(0.15) + zb * math.sqrt(0.15 - 0.0025)) ** 2 / 0.0025
+    assert paired_sample_size(0.15, 0.05) == math.ceil(expected) == 469
+    assert paired_sample_size(0.10, 0.05) < 469 < paired_sample_size(0.15, 0.04)
+    with pytest.raises(ValueError, match="discordance"):
+        paired_sample_size(0.002, 0.05)
+
+
+def test_holm_adjusts_step_down_and_keeps_order():
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == [1.0, 1.0]  # step-down: never below an earlier step
+    assert holm([0.02, 0.3]) == pytest.approx([0.04, 0.3])
+
+
+def test_every_policy_runs_once_at_the_main_k_and_attention_rows_run_on_epikvs_engine():
+    cells = Study().cells()
+    main = [c for c in cells if c.arm == "gsm8k" and c.budget == 192 and not c.tag]
+    assert sorted(c.policy for c in main) == sorted(
+        ["epikv", "epikv-seg", "epikv-flat", "epikv-lag", "streaming", "h2o", "tova", "snapkv", "rkv",
+         "keydiff", "random"]
+    )  # fmt: skip
+    assert {c.policy for c in main if c.engine == "epikv"} == {"h2o", "tova", "snapkv", "rkv"}
+    assert all(c.engine == "vllm-compiled" for c in main if c.policy not in ("h2o", "tova", "snapkv", "rkv"))
+    assert [c.tag for c in cells if c.tag] == ["eager", "engine", "batch16"]
+    assert len({c.name for c in cells}) == len(cells)
+
+
+def _record(example_id: str, correct: bool, tokens: list[int], cap: bool = False) -> ExampleResult:
+    return ExampleResult(
+        id=example_id, sample=0, correct=correct, extracted=None, gold="1", tokens_generated=len(tokens),
+        prompt_tokens=10, finish_reason="length" if cap else "eos", cap_hit=cap, loop=False,
+        loop_onset=None, loop_period=None, seconds=1.0, call_seconds=4.0, batch_size=4,
+        peak_cache_tokens=10 + len(tokens), final_cache_tokens=None, evictions=1, text="", token_ids=tokens,
+    )  # fmt: skip
+
+
+def _write(study, cell, out, verdicts, skipped=(), looping=(), tau=128):
+    config = cell.config(str(out), study.model, study.dtype, progress=False)
+    from epikv.eval.plan import plan_run
+
+    plan = plan_run(config)
+    prepare_folder(plan.folder, plan.config)
+    ids = [e.id for e in plan.task]
+    with (plan.folder / "results.jsonl").open("a") as handle:
+        for i, correct in zip(ids, verdicts, strict=False):
+            if i in skipped:
+                continue
+            tokens = [7, 8] * 80 if i in looping else list(range(20))
+            append_result(handle, _record(i, correct, tokens, cap=i in looping))
+    with (plan.folder / "skipped.jsonl").open("a") as handle:
+        for i in skipped:
+            append_result(handle, SkippedExample(i, 0, "too long", 99))
+    if cell.budget is not None:
+        (plan.folder / "spec.json").write_text(f'{{"interval": {tau}}}')
+    return ids
+
+
+def test_the_summary_pairs_on_common_problems_and_names_what_it_excludes(tmp_path):
+    arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv", "h2o"))
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6)
+    cells = {c.name: c for c in study.cells()}
+    ids = [e.id for e in load_task("gsm8k:shuffle=0").slice(0, 6)]
+    _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 1, 1, 0, 0])
+    _write(
+        study, cells["gsm8k/epikv@K100"], tmp_path, [1, 0, 1, 1, 0, 1], skipped=(ids[2],), looping=(ids[1],)
+    )
+    _write(study, cells["gsm8k/h2o@K100"], tmp_path, [0, 0, 0, 1, 0, 0], looping=(ids[0], ids[1]), tau=1)
+    _write(study, cells["gsm8k/full@full [eager]"], tmp_path, [1, 1, 1, 0, 0, 1])
+    result = summarize(study, str(tmp_path), frozenset())
+    level = result["arms"]["gsm8k"]["levels"]["100"]
+    assert level["excluded"] == [ids[2]] and level["n"] == 5  # skipped by epikv: out for h2o and full too
+    tests = {t["a"]: t for t in level["vs_full"]["tests"]}
+    assert (tests["gsm8k/epikv@K100"]["a_only"], tests["gsm8k/epikv@K100"]["b_only"]) == (1, 1)
+    assert (tests["gsm8k/h2o@K100"]["a_only"], tests["gsm8k/h2o@K100"]["b_only"]) == (0, 2)
+    assert level["lost"]["gsm8k/h2o@K100"] == {
+        "lost": 2, "gained": 0, "loop": 2, "near_loop": 2, "cap_hit": 2, "loop_or_cap": 2
+    }  # fmt: skip
+    assert level["lost"]["gsm8k/epikv@K100"]["lost"] == 1 and level["lost"]["gsm8k/epikv@K100"]["loop"] == 1
+    assert level["accuracy"]["gsm8k/full@full"]["k"] == 3  # ids 0, 1, 3 of the five
+    assert result["cells"]["gsm8k/h2o@K100"]["peak_budget"] == 101
+    assert result["cells"]["gsm8k/epikv@K100"]["loop"]["k"] == 1
+    assert result["arms"]["gsm8k"]["equal_peak"] == {}  # one cell per peak: nothing to pair
+    noise = result["noise"]["eager"]
+    assert (noise["n"], noise["changed"], noise["identical_tokens"]) == (6, 2, 6)
+    assert result["noise"]["engine"]["n"] == 0
+    text = markdown(result)
+    assert (
+        "excluded for all" in text and ids[2] in text and "| gsm8k/h2o@K100 | 2 | 0 | 2 | 2 | 2 | 2 |" in text
+    )
