@@ -2,6 +2,8 @@
 (``.venv``: transformers 5.24), since vLLM's environment pins an older transformers.
 
 ``python reference.py folder`` prints the embedded model's safetensors folder (made if missing);
+``python reference.py chat FOLDER TEXT...`` prints the chat-formatted ids of each text with the
+tokenizer of a model folder (the real-weights tests);
 ``python reference.py run SPEC.json`` runs the prompts of SPEC (policy, budget, prompts, max_tokens,
 and optionally ``model``, a saved model folder instead of the embedded model) greedily in float32
 and prints each request's tokens and the true positions it kept at every compaction (first layer
@@ -67,6 +69,20 @@ def run(spec_path: str) -> dict:
     return {"tokens": [done[r.id].token_ids for r in requests], "kept": traces}
 
 
+def chat(model_folder: str, texts: list[str]) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    prompts = []
+    for text in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompts.append([int(i) for i in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    return {"prompts": prompts}
+
+
 if __name__ == "__main__":
-    out = folder() if sys.argv[1] == "folder" else run(sys.argv[2])
+    if sys.argv[1] == "chat":
+        out = chat(sys.argv[2], sys.argv[3:])
+    else:
+        out = folder() if sys.argv[1] == "folder" else run(sys.argv[2])
     print("REFERENCE " + json.dumps(out))
