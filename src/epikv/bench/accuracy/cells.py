@@ -10,6 +10,7 @@ as ``epikv eval`` saves it. Owns the order of the work and the per-cell estimate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -55,9 +56,21 @@ def estimate_minutes(status: dict[str, Any], statuses: list[dict[str, Any]]) -> 
     return round(status["owed"] * length / speed / 60, 1)
 
 
-def run_cell(study: Study, cell: Cell, out: str, progress: bool = True) -> RunOutcome:
-    """Generates what ``cell`` still owes (resuming its folder) and saves the resolved spec."""
+def run_cell(
+    study: Study, cell: Cell, out: str, progress: bool = True, limit: int | None = None
+) -> RunOutcome:
+    """Generates what ``cell`` still owes on its first ``limit`` problems (default: all of them),
+    resuming its folder, and saves the resolved spec. ``limit`` must be a whole number of batches:
+    in bf16 a problem's tokens depend on its batch-mates, so a cell is only reproducible from
+    scratch if every run of it formed the batches one run over all its problems forms."""
+    if limit is not None and (limit % cell.batch_size or not 0 < limit <= cell.problems):
+        raise ValueError(
+            f"--limit {limit}: a cell runs whole batches of {cell.batch_size} problems, up to its "
+            f"{cell.problems}; use a multiple of {cell.batch_size}"
+        )
     config = cell.config(out, study.model, study.dtype, progress)
+    if limit is not None:
+        config = dataclasses.replace(config, limit=limit)
     made: list[Generator] = []
 
     def make(policy: str, budget: int | None) -> Generator:

@@ -24,6 +24,9 @@ def add_accuracy_parser(kinds: Any) -> None:
     run = actions.add_parser("run", help="compute cells one at a time (resumes each)")
     run.add_argument("--cell", action="append", default=[], help="a cell by name (repeatable)")
     run.add_argument("--next", type=int, default=0, help="the next N cells that owe work, in order")
+    run.add_argument(
+        "--limit", type=int, default=None, help="only the first N problems (whole batches), e.g. a pilot"
+    )
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     summarize = actions.add_parser("summarize", help="recompute the study's numbers from its records")
     for action in (status, run, summarize):
@@ -65,7 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to run: name cells with --cell, or ask for --next N")
     for cell in cells:
         print(f"cell {cell.name} on {cell.engine}", flush=True)
-        outcome = run_cell(study, cell, args.out, progress=not args.no_progress)
+        outcome = run_cell(study, cell, args.out, progress=not args.no_progress, limit=args.limit)
         accuracy = outcome.summary.get("accuracy")
         print(f"  generated {outcome.generated}, skipped {outcome.skipped}, accuracy {accuracy}", flush=True)
     return 0
