@@ -113,3 +113,30 @@ def test_the_summary_pairs_on_common_problems_and_names_what_it_excludes(tmp_pat
     assert (
         "excluded for all" in text and ids[2] in text and "| gsm8k/h2o@K100 | 2 | 0 | 2 | 2 | 2 | 2 |" in text
     )
+
+
+def test_a_cell_runs_whole_batches_only(tmp_path):
+    from epikv.bench.accuracy.cells import run_cell
+
+    study = Study()
+    cell = study.find("gsm8k/full@full")
+    with pytest.raises(ValueError, match=r"--limit 100: a cell runs whole batches of 64 .* multiple of 64"):
+        run_cell(study, cell, str(tmp_path), limit=100)
+    with pytest.raises(ValueError, match=r"no cell 'gsm8k/full@K1'"):
+        study.find("gsm8k/full@K1")
+
+
+def test_status_counts_what_a_folder_holds_and_estimates_from_measured_speed(tmp_path):
+    from epikv.bench.accuracy.cells import cell_status, estimate_minutes
+
+    arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv"))
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6)
+    cells = {c.name: c for c in study.cells()}
+    _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 0, 0])  # 4 of 6, 20 tokens in 1 s each
+    full = cell_status(study, cells["gsm8k/full@full"], str(tmp_path))
+    assert (full["done"], full["owed"], full["tokens_per_s"], full["mean_tokens"]) == (4, 2, 20.0, 20.0)
+    other = cell_status(study, cells["gsm8k/epikv@K100"], str(tmp_path))
+    assert (other["done"], other["owed"]) == (0, 6)
+    # 6 problems x 20 tokens (full's mean) at 20 tok/s (the engine's measured speed) = 6 s
+    assert estimate_minutes(other, [full, other]) == pytest.approx(0.1)
+    assert estimate_minutes(full, [full, other]) == pytest.approx(round(2 * 20 / 20 / 60, 1))
