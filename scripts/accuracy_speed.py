@@ -1,0 +1,69 @@
+"""The accuracy study's fast-path target (issue 41): one of its cells on vLLM with the plugin against
+the same cell on epikv's own engine, in one run, back to back, on an idle machine.
+
+  .venv/bin/python scripts/accuracy_speed.py --cell gsm8k/epikv@K192 --problems 64 \
+      --out docs/results/accuracy/speed.json
+
+Each engine generates the cell's first ``--problems`` problems exactly as the study does (same
+prompts, precision, cap, and each engine's study batch) into a scratch folder; the tokens per second
+of each (generated tokens over the generate calls' wall time, engine start-up excluded) and their
+ratio are written with the CPU's model and flags and the load average before and after. Whether
+the two engines wrote the same tokens is recorded too (in bf16 they need not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+
+from epikv.bench.accuracy.cells import run_cell
+from epikv.bench.accuracy.design import Study
+from epikv.bench.shared import machine
+from epikv.eval.records import load_run_results
+
+
+def measure(study: Study, name: str, engine: str, batch: int, problems: int, scratch: str) -> dict:
+    cell = dataclasses.replace(study.find(name), engine=engine, batch_size=batch, problems=problems)
+    before = machine.load_average()
+    started = time.perf_counter()
+    outcome = run_cell(study, cell, scratch, progress=False)
+    records = load_run_results(outcome.folder)
+    seconds = sum(r.seconds for r in records)
+    tokens = sum(r.tokens_generated for r in records)
+    return {
+        "engine": engine, "batch": batch, "problems": len(records), "tokens": tokens,
+        "generate_s": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 2),
+        "wall_s_with_start": round(time.perf_counter() - started, 1), "load_before": before,
+        "load_after": machine.load_average(), "accuracy": outcome.summary.get("accuracy"),
+        "token_ids": {r.id: r.token_ids for r in records},
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cell", default="gsm8k/epikv@K192")
+    parser.add_argument("--problems", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    study = Study()
+    with tempfile.TemporaryDirectory() as scratch:
+        plugin = measure(study, args.cell, study.engine, study.batch_size, args.problems, scratch + "/v")
+        engine = measure(study, args.cell, "epikv", study.engine_batch, args.problems, scratch + "/e")
+    same = sum(plugin["token_ids"][i] == engine["token_ids"].get(i) for i in plugin["token_ids"])
+    for run in (plugin, engine):
+        del run["token_ids"]
+    doc = {
+        "cell": args.cell, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": machine.cpu(),
+        "plugin": plugin, "engine": engine, "ratio": round(plugin["tokens_per_s"] / engine["tokens_per_s"], 2),
+        "identical_generations": same, "target": ">= 1.3x (issue 41)",
+    }  # fmt: skip
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(doc, handle, indent=1)
+    print(json.dumps({k: doc[k] for k in ("cell", "ratio", "identical_generations")}))
+
+
+if __name__ == "__main__":
+    main()
