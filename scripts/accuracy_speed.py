@@ -57,7 +57,8 @@ def main() -> None:
         del run["token_ids"]
     doc = {
         "cell": args.cell, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": machine.cpu(),
-        "plugin": plugin, "engine": engine, "ratio": round(plugin["tokens_per_s"] / engine["tokens_per_s"], 2),
+        "plugin": plugin, "engine": engine,
+        "ratio": round(plugin["tokens_per_s"] / engine["tokens_per_s"], 2),
         "identical_generations": same, "target": ">= 1.3x (issue 41)",
     }  # fmt: skip
     with open(args.out, "w", encoding="utf-8") as handle:
