@@ -121,6 +121,62 @@ def test_a_fault_in_one_requests_step_fails_that_request_alone(llm, embedded, so
     assert_nothing_left(llm)
 
 
+def failing_decode_compaction(state, monkeypatch, when):
+    """The policy's scoring raises in a decode step's compaction whenever ``when(view)``; returns each
+    decode call's (rows' prompt lengths, budget, step: tokens decoded by its first row)."""
+    policy = type(state.spec.policy)
+    score, calls = policy.score, []
+
+    def broken(self, st, view):
+        step = int(view.seen[0] - view.prompt_len[0])
+        if step > 0:
+            calls.append((view.prompt_len.tolist(), view.budget, step))
+            if when(view):
+                raise RuntimeError("a fault for the test")
+        return score(self, st, view)
+
+    monkeypatch.setattr(policy, "score", broken)
+    return calls
+
+
+def test_a_fault_in_one_rows_decode_compaction_fails_that_request_alone(llm, embedded, solo, monkeypatch):
+    p = embedded["prompts"]
+    bad = len(p[1])
+    calls = failing_decode_compaction(worker_state(llm), monkeypatch, lambda v: bad in v.prompt_len.tolist())
+    out = generate(llm, p[:3], 80)
+    monkeypatch.undo()
+    assert any(bad in rows and len(rows) == 3 for rows, _, _ in calls)  # scored with the others, raised
+    assert out[1].outputs[0].finish_reason == "error"
+    error = out[1].kv_transfer_params["epikv"]["error"]
+    assert "compaction failed: RuntimeError: a fault for the test" in error
+    assert [tokens([o])[0] for o in (out[0], out[2])] == [solo[0], solo[2]]  # retried alone, exactly
+    assert_nothing_left(llm)
+
+
+def test_a_failing_second_budget_group_leaves_the_first_groups_requests_their_tokens(
+    llm, embedded, monkeypatch
+):
+    p, small = embedded["prompts"], {BUDGET_ARG: 40}
+    alone = [generate_with_tokens(llm, p[i], small) for i in (0, 2)]
+    calls = failing_decode_compaction(worker_state(llm), monkeypatch, lambda v: v.budget == K)
+    prompts = [TokensPrompt(prompt_token_ids=p[i]) for i in range(3)]
+    sampling = [params(80, extra_args=small), params(80), params(80, extra_args=small)]
+    out = llm.generate(prompts, sampling, use_tqdm=False)
+    monkeypatch.undo()
+    # in one step the first group (40: rows 0 and 2) was compacted, then the second (K: row 1) raised
+    first = {step for rows, k, step in calls if k == 40 and rows == [len(p[0]), len(p[2])]}
+    assert first & {step for rows, k, step in calls if k == K}
+    assert out[1].outputs[0].finish_reason == "error"
+    assert "compaction failed" in out[1].kv_transfer_params["epikv"]["error"]
+    assert [tokens([o])[0] for o in (out[0], out[2])] == alone
+    assert_nothing_left(llm)
+
+
+def generate_with_tokens(llm, prompt, extra):
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params(80, extra_args=extra), use_tqdm=False)
+    return tokens(out)[0]
+
+
 def test_a_request_the_front_end_did_not_check_is_refused_by_the_scheduler_alone(llm, embedded, solo):
     from vllm.v1.engine import EngineCoreRequest
 

@@ -141,6 +141,50 @@ class PagedView:
 
 
 @dataclass(frozen=True)
+class Compaction:
+    """A compaction chosen and not yet done (:func:`choose`): per moving token (P,), its source and
+    destination global slots, its layer group and head (None: every one) and its row of the view;
+    per row (B,), the kept count and the kept true positions of the first layer group and head (for
+    traces). Doing it (:meth:`apply`) twice does what doing it once does, since no source is a
+    destination: a copy never changes what another reads. So after a move that raised part-way, each
+    row's part can be done again by itself (:meth:`row`)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    groups: torch.Tensor | None
+    heads: torch.Tensor | None
+    rows: torch.Tensor
+    kept: list[int]
+    positions: list[list[int]]
+
+    def row(self, i: int) -> Compaction:
+        """Row ``i``'s part alone (its moving tokens; it is row 0 of the result)."""
+        mine = self.rows == i
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[mine]
+
+        zero = torch.zeros_like(self.rows[mine])
+        return Compaction(
+            self.src[mine], self.dst[mine], pick(self.groups), pick(self.heads), zero,
+            [self.kept[i]], [self.positions[i]],
+        )  # fmt: skip
+
+    def apply(self, store: SlotStore) -> None:
+        """Fill the holes: keys and values (this rank's heads' only, under tensor parallelism), then
+        each slot's true position and policy values."""
+        src, dst, groups, heads = self.src, self.dst, self.groups, self.heads
+        layers = groups  # a group is an evicting layer, and the pages hold exactly those, in order
+        if store.shards is not None and heads is not None:  # this rank moves its own heads' tokens
+            mine = (heads >= store.shards.lo) & (heads < store.shards.hi)
+            local = None if layers is None else layers[mine]
+            store.paged.move(src[mine], dst[mine], local, heads[mine] - store.shards.lo)
+        else:
+            store.paged.move(src, dst, layers, heads)
+        store.copy(src, dst, groups, heads)
+
+
+@dataclass(frozen=True)
 class Compacted:
     """What one compaction did: kept tokens per row (B,) and, per row, the kept true positions of the
     first layer group and head (for traces)."""
@@ -149,9 +193,9 @@ class Compacted:
     positions: list[list[int]]
 
 
-def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> Compacted:
-    """Score ``view``'s rows with the policy, keep by the spec's rule, and fill each row's holes below
-    its kept count with the kept tokens above it (keys, values, positions, buffers)."""
+def choose(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> Compaction:
+    """Score ``view``'s rows with the policy, keep by the spec's rule, and pair each row's holes below
+    its kept count with its kept tokens above it. Writes nothing to the pool or the slot store."""
     scores = spec.policy.score(state, view)
     if store.shards is not None:
         scores = store.shards.share(scores.contiguous())
@@ -172,18 +216,21 @@ def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> C
     movers = (keep & ~below[None, :, None, :]).nonzero()
     if holes.shape != movers.shape:  # the rule keeps exactly kept[b] slots per (group, row, head)
         raise RuntimeError(f"epikv: compaction found {len(holes)} holes for {len(movers)} kept tokens")
-    src = view.slots[movers[:, 1], movers[:, 3]]
-    dst = view.slots[holes[:, 1], holes[:, 3]]
-    groups = movers[:, 0] if store.groups > 1 else None
-    heads = movers[:, 2] if store.heads > 1 else None
-    layers = groups  # a group is an evicting layer, and the pages hold exactly those, in order
-    if store.shards is not None and heads is not None:  # this rank moves its own heads' tokens
-        mine = (heads >= store.shards.lo) & (heads < store.shards.hi)
-        local = None if layers is None else layers[mine]
-        store.paged.move(src[mine], dst[mine], local, heads[mine] - store.shards.lo)
-    else:
-        store.paged.move(src, dst, layers, heads)
-    store.copy(src, dst, groups, heads)
     kept_positions = view.sorted_positions[0, :, 0].gather(-1, sel.index[0, :, 0])
-    rows = [kept_positions[r, : int(sel.kept[r])].tolist() for r in range(b)]
-    return Compacted(sel.kept.tolist(), rows)
+    return Compaction(
+        src=view.slots[movers[:, 1], movers[:, 3]],
+        dst=view.slots[holes[:, 1], holes[:, 3]],
+        groups=movers[:, 0] if store.groups > 1 else None,
+        heads=movers[:, 2] if store.heads > 1 else None,
+        rows=movers[:, 1],  # holes and movers are both in (group, row, head, slot) order
+        kept=sel.kept.tolist(),
+        positions=[kept_positions[r, : int(sel.kept[r])].tolist() for r in range(b)],
+    )
+
+
+def compact(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> Compacted:
+    """Choose a compaction of ``view``'s rows and do it: fill each row's holes below its kept count
+    with the kept tokens above it (keys, values, positions, buffers)."""
+    done = choose(store, spec, state, view)
+    done.apply(store)
+    return Compacted(done.kept, done.positions)

@@ -100,6 +100,10 @@ class PagedKV:
     layers; index i here is the i-th of them), in layer order, all views of one
     allocation with the same block and head strides."""
 
+    move_bytes = 16 << 20
+    """The most temporary bytes one copy of :meth:`move` allocates (its values and page offsets), so a
+    compaction's extra memory is a constant, not a multiple of layers x pairs x heads x 2D."""
+
     def __init__(self, layers: Sequence[torch.Tensor], layout: PageLayout) -> None:
         first = layers[0]
         _, h, b, two_d = first.shape
@@ -124,6 +128,9 @@ class PagedKV:
         self.block_stride, self.head_stride = first.stride(0), first.stride(1)
         self.layout = layout
         self._both = layout.both
+        # each layer as (blocks, H, B * 2D) pages: a move indexes block, head and offset in the page
+        self.pages = [layer.view(layer.shape[0], h, b * two_d) for layer in layers]
+        self._heads = torch.arange(h)[None, :, None]
 
     # -- addresses ---------------------------------------------------------------------------------
     def _page(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,22 +158,42 @@ class PagedKV:
         """Copy tokens' keys and values from global slots ``src`` to ``dst`` (both (P,), disjoint).
 
         layers / heads: (P,) the one layer / head each pair moves in (per-layer / per-head eviction),
-        or None for every layer / head. One gather and one scatter over all layers together."""
+        or None for every layer / head. One layer at a time, at most :attr:`move_bytes` of temporaries
+        per copy: each copy indexes a layer's pages with (pairs, 1, 1) blocks, heads and (pairs, 1, 2D)
+        page offsets that broadcast, so no index of pairs x heads x 2D is ever built (the one-shot gather
+        this replaces built two int64 ones of layers x pairs x heads x 2D: with its values, 2.4 GB
+        beside a Llama-8B-shaped pool at 16 x 128 moving tokens; docs/vllm.md).
+        The order of the copies cannot change the result, because no source slot is a destination."""
         if src.numel() == 0:
             return
-        both = self._both  # (B, 2D)
-        s_block, s_tok = self._page(src)
-        d_block, d_tok = self._page(dst)
-        layer_term = (
-            self.layer_base[:, None, None, None]
-            if layers is None
-            else self.layer_base[layers][None, :, None, None]
-        )
-        head_term = (
-            (torch.arange(self.num_heads) * self.head_stride)[None, None, :, None]
-            if heads is None
-            else (heads * self.head_stride)[None, :, None, None]
-        )
-        src_idx = layer_term + head_term + (s_block[:, None] + both[s_tok])[None, :, None, :]
-        dst_idx = layer_term + head_term + (d_block[:, None] + both[d_tok])[None, :, None, :]
-        self.flat[dst_idx.reshape(-1)] = self.flat[src_idx.reshape(-1)]
+        per_pair = self.move_pair_bytes(one_head=heads is not None)
+        step = max(1, self.move_bytes // per_pair)
+        groups: list[tuple[int, torch.Tensor | None]]
+        if layers is None:
+            groups = [(layer, None) for layer in range(self.num_layers)]
+        else:  # the pairs of each layer, found once (O(P) int64, not per layer)
+            order = layers.argsort(stable=True)
+            counts = torch.bincount(layers, minlength=self.num_layers).tolist()
+            groups = [(layer, part) for layer, part in enumerate(order.split(counts)) if part.numel()]
+        count = src.numel()
+        for layer, pick in groups:
+            pages, n = self.pages[layer], count if pick is None else pick.numel()
+            for lo in range(0, n, step):
+                part = slice(lo, lo + step) if pick is None else pick[lo : lo + step]
+                head = self._heads if heads is None else heads[part][:, None, None]
+                # one statement, so no copy's values outlive it into the next copy
+                pages[self._where(dst[part], head)] = pages[self._where(src[part], head)]
+
+    def move_pair_bytes(self, one_head: bool) -> int:
+        """Temporary bytes one pair costs in a copy of :meth:`move`: its keys and values in every head
+        (or one) plus its source and destination page offsets (2D int64 each)."""
+        heads = 1 if one_head else self.num_heads
+        return heads * 2 * self.head_dim * self.flat.element_size() + 2 * 2 * self.head_dim * 8
+
+    def _where(
+        self, slots: torch.Tensor, head: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Indices into a layer's pages (blocks, H, B * 2D) of ``slots``' keys and values in ``head``
+        ((1, H, 1) every head, or (n, 1, 1) one per slot): (n, 1, 1) blocks, heads, (n, 1, 2D) offsets."""
+        blocks, tokens = slots // self.block_size, slots % self.block_size
+        return blocks[:, None, None], head, self._both[tokens][:, None, :]

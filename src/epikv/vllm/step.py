@@ -11,9 +11,11 @@ scheduler, never a write into someone else's block and never the engine's death.
 After the forward (:meth:`EpiKVWorkerState.after_forward`): the new tokens' true positions are stored
 beside their slots, the policy observes the band layers' hidden states (vLLM's own aux hidden
 states), the books count the step, and each row that is due (held > its K and tau steps since its
-last compaction: :meth:`RowBooks.due`) is compacted in place (:func:`epikv.vllm.compaction.compact`).
-Whatever goes wrong for a request there faults that request (or the decode batch it ran in), with
-one line naming the cause; the step goes on for every other row.
+last compaction: :meth:`RowBooks.due`) is compacted in place (:func:`epikv.vllm.compaction.choose`,
+then :meth:`~epikv.vllm.compaction.Compaction.apply`). Whatever goes wrong for a request there
+faults that request, with one line naming the cause; the step goes on for every other row. A
+compaction that raises is retried per row and fails only the rows that raise alone; an exception
+while observing a decode step (one call for the batch's shared state) fails the batch's rows.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import on_rows
 from epikv.spec import CacheSpec
-from epikv.vllm.compaction import PagedView, SlotStore, compact
+from epikv.vllm.compaction import Compaction, PagedView, SlotStore, choose
 from epikv.vllm.config import EpiKVSettings, plan_request
 from epikv.vllm.requests import Requests
 
@@ -185,7 +187,7 @@ class EpiKVWorkerState:
             last = torch.from_numpy(starts[1:][decode] - 1)
             try:
                 self._decode(batch, ids, hidden, slots[last], positions[last], last)
-            except Exception as err:  # the batch's rows share one state: each fails alone
+            except Exception as err:  # observing is one call on the rows' shared state: all fail
                 log.exception("epikv: a decode step of %d requests failed", len(ids))
                 for req_id in ids:
                     self.fault(req_id, f"decode step failed: {type(err).__name__}: {err}")
@@ -214,7 +216,9 @@ class EpiKVWorkerState:
         record.books.grow([q], q, decode=False)
         record.books.seen = record.books.seen + q
         if done and record.books.due(self.spec.interval):
-            record.state = self._compact(batch, [req_id], record.books, record.state, [0])
+            record.state, failed = self._compact(batch, [req_id], record.books, record.state, [0])
+            if failed:  # one row: the prefill's own fault line
+                raise failed[0]
         books = record.books
         self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
 
@@ -242,24 +246,74 @@ class EpiKVWorkerState:
         books.seen = books.seen + 1
         books.since = [s + 1 for s in books.since]
         due = books.due(self.spec.interval)
+        failed: dict[int, Exception] = {}
         if due:
-            state = self._compact(batch, ids, books, state, due)
+            state, failed = self._compact(batch, ids, books, state, due)
         self.requests.set_state(state)
         counters = zip(books.peak, books.evicted, books.compactions, books.budgets, strict=True)
-        self.report.update(zip(ids, counters, strict=True))
+        self.report.update(
+            (r, c) for i, (r, c) in enumerate(zip(ids, counters, strict=True)) if i not in failed
+        )
+        for i, err in failed.items():  # after set_state: a fault writes the batch back to its records
+            self.fault(ids[i], f"compaction failed: {type(err).__name__}: {err}")
 
-    def _compact(self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int]) -> Any:
-        """Compact rows ``rows`` of a batch (``ids`` its request ids); returns the batch's state. Rows
-        of each budget are scored in one call, so a policy always sees one K (as in epikv's cache)."""
+    def _compact(
+        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int]
+    ) -> tuple[Any, dict[int, Exception]]:
+        """Compact rows ``rows`` of a batch (``ids`` its request ids); returns the batch's state and
+        the rows that failed, with what they raised. Rows of each budget are scored in one call, so a
+        policy always sees one K (as in epikv's cache). A group that raises is retried row by row and
+        only the rows that raise again fail: no row's failure fails another row or another group."""
+        failed: dict[int, Exception] = {}
         budgets = books.budgets
         for k in sorted({budgets[r] for r in rows}):
             group = [r for r in rows if budgets[r] == k]
-            state = self._compact_group(batch, ids, books, state, group, k)
-        return state
+            state = self._compact_group(batch, ids, books, state, group, k, failed)
+        return state, failed
 
     def _compact_group(
-        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int], budget: int
+        self,
+        batch: StepBatch,
+        ids: list[str],
+        books: Any,
+        state: Any,
+        rows: list[int],
+        budget: int,
+        failed: dict[int, Exception],
     ) -> Any:
+        """Choose the group's compaction in one call, or each row's alone if that call raises (a row
+        that raises alone fails), then do them."""
+        chosen: list[tuple[list[int], Compaction]] = []
+        try:
+            done, state = self._choose(batch, ids, books, state, rows, budget)
+            chosen.append((rows, done))
+        except Exception as err:
+            for r in self._alone(ids, rows, err, failed):
+                try:
+                    done, state = self._choose(batch, ids, books, state, [r], budget)
+                    chosen.append(([r], done))
+                except Exception as again:
+                    log.exception("epikv: compaction of request %s failed alone too", ids[r])
+                    failed[r] = again
+        for group, done in chosen:
+            self._apply(ids, books, group, done, failed)
+        return state
+
+    @staticmethod
+    def _alone(ids: list[str], rows: list[int], err: Exception, failed: dict[int, Exception]) -> list[int]:
+        """A call for ``rows`` raised ``err``: the rows to retry one at a time (none if it was one
+        row's call: that row fails)."""
+        if len(rows) == 1:
+            log.exception("epikv: compaction of request %s failed", ids[rows[0]])
+            failed[rows[0]] = err
+            return []
+        log.exception("epikv: compaction of %d requests failed; retrying each alone", len(rows))
+        return rows
+
+    def _choose(
+        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int], budget: int
+    ) -> tuple[Compaction, Any]:
+        """Score and select rows ``rows`` (one budget) in one call; nothing is written yet."""
         assert self.store is not None and batch.blocks is not None
         held = [books.held[r] for r in rows]
         width, block = max(held), self.block_size
@@ -276,15 +330,34 @@ class EpiKVWorkerState:
             books.seen[rows],
             budget,
         )
-        result, state = on_rows(
-            state, rows, len(books), lambda part: compact(self.store, self.spec, part, view)
-        )
-        books.compacted(rows, result.kept)
-        for r, kept in zip(rows, result.positions, strict=True):
+        store, spec = self.store, self.spec
+        return on_rows(state, rows, len(books), lambda part: choose(store, spec, part, view))
+
+    def _apply(
+        self, ids: list[str], books: Any, rows: list[int], done: Compaction, failed: dict[int, Exception]
+    ) -> None:
+        """Do a chosen compaction of ``rows``; if it raises, do each row's part again alone (doing a
+        part twice is doing it once), and fail the rows that raise again. Then count and trace."""
+        assert self.store is not None
+        try:
+            done.apply(self.store)
+        except Exception as err:
+            for i, r in enumerate(self._alone(ids, rows, err, failed)):
+                try:
+                    done.row(i).apply(self.store)
+                except Exception as again:
+                    log.exception("epikv: moving request %s's tokens failed alone too", ids[r])
+                    failed[r] = again
+        for i, r in enumerate(rows):
+            if r in failed:
+                continue
+            books.compacted([r], [done.kept[i]])
             self.requests.dropped[ids[r]] = int(books.evicted[r])
             if self._trace is not None:
-                record = {"request": ids[r], "seen": int(books.seen[r]), "kept": kept}
-                self._trace.write(json.dumps(record) + "\n")
-        if self._trace is not None:
-            self._trace.flush()
-        return state
+                try:
+                    record = {"request": ids[r], "seen": int(books.seen[r]), "kept": done.positions[i]}
+                    self._trace.write(json.dumps(record) + "\n")
+                    self._trace.flush()
+                except Exception as err:  # a full disk, say: this row's line is lost, so it fails
+                    log.exception("epikv: tracing request %s failed", ids[r])
+                    failed[r] = err

@@ -109,6 +109,32 @@ def peak_rss() -> int:
     return _status_or_max_rss("VmHWM")
 
 
+def peak_allocated(run: Callable[[], object]) -> int:
+    """The most bytes of CPU tensor memory that ``run`` held allocated at once, counting only what it
+    allocated itself (torch's profiler records every allocation and free of the CPU allocator, in
+    order). Exact and deterministic, unlike resident memory; raises if the profiler saw nothing, so a
+    probe that stopped working cannot read as zero."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            events.append((node.start_time_ns, fields.alloc_size))
+        stack.extend(node.children)
+    if not events:
+        raise RuntimeError("the profiler recorded no allocation")
+    held = peak = 0
+    for _, size in sorted(events):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
 def virtual_size() -> int | None:
     return _proc_bytes("/proc/self/status", "VmSize")
 
