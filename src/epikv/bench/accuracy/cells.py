@@ -24,6 +24,18 @@ from epikv.eval.records import load_run_results, load_skipped
 from epikv.eval.runner import RunOutcome, run_eval
 
 
+def _head() -> str | None:
+    """The commit the code ran at (None outside a git checkout), with ``+dirty`` for local changes."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    return None if not head else head + ("+dirty" if git("status", "--porcelain", "src") else "")
+
+
 def cell_status(study: Study, cell: Cell, out: str) -> dict[str, Any]:
     """What a cell's folder holds: problems done (records and skips), owed, and its throughput."""
     plan = plan_run(cell.config(out, study.model, study.dtype, progress=False))
@@ -94,6 +106,6 @@ def run_cell(
     with log_path.open("a", encoding="utf-8") as handle:  # when each piece of compute ran, and how long
         entry = {"cell": cell.name, "generated": outcome.generated, "skipped": outcome.skipped}
         entry |= {"wall_s": round(elapsed, 1), "ended": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-        entry |= {"cpu": machine.cpu(), "load_average": machine.load_average()}
+        entry |= {"cpu": machine.cpu(), "load_average": machine.load_average(), "code": _head()}
         handle.write(json.dumps(entry) + "\n")
     return outcome
