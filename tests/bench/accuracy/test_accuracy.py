@@ -83,7 +83,7 @@ def _write(study, cell, out, verdicts, skipped=(), looping=(), tau=128):
 
 def test_the_summary_pairs_on_common_problems_and_names_what_it_excludes(tmp_path):
     arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv", "h2o"))
-    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6)
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6, budget_problems=6)
     cells = {c.name: c for c in study.cells()}
     ids = [e.id for e in load_task("gsm8k:shuffle=0").slice(0, 6)]
     _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 1, 1, 0, 0])
@@ -130,7 +130,7 @@ def test_status_counts_what_a_folder_holds_and_estimates_from_measured_speed(tmp
     from epikv.bench.accuracy.cells import cell_status, estimate_minutes
 
     arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv"))
-    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6)
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6, budget_problems=6)
     cells = {c.name: c for c in study.cells()}
     _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 0, 0])  # 4 of 6, 20 tokens in 1 s each
     full = cell_status(study, cells["gsm8k/full@full"], str(tmp_path))

@@ -83,7 +83,9 @@ def reads_attention(policy: str) -> bool:
 class Study:
     """The whole study. ``batch_size``: prompts per vLLM ``generate`` call, all running at once
     (epikv's engine decodes ``engine_batch`` together). ``noise_problems``: the first problems of
-    the GSM8K arm that the noise cells repeat."""
+    the GSM8K arm that the noise cells repeat. GSM8K's N = 512 is :func:`paired_sample_size` at the
+    discordance measured on the first 64 common problems (``keydiff`` against ``full``: 10 of 64)
+    for a 5-point difference, 80% power, alpha 0.05, rounded up to whole batches of 64."""
 
     model: str = MODEL
     dtype: str = "bfloat16"
@@ -91,7 +93,8 @@ class Study:
     batch_size: int = 64
     engine_batch: int = 32
     arms: tuple[Arm, ...] = field(default_factory=lambda: DEFAULT_ARMS)
-    noise_problems: int = 96
+    noise_problems: int = 128
+    budget_problems: int = 96  # the first problems of full whose traces the budget rule reads
     loop_min_span: int = 128  # a quarter of the 512-token cap (the loop study: 256 of 1,024)
 
     def cells(self) -> list[Cell]:
@@ -160,7 +163,7 @@ def paired_sample_size(discordance: float, delta: float, alpha: float = 0.05, po
 
 DEFAULT_ARMS = (
     Arm(
-        name="gsm8k", dataset="gsm8k:shuffle=0", problems=400, max_new_tokens=512, budgets=(192, 288),
+        name="gsm8k", dataset="gsm8k:shuffle=0", problems=512, max_new_tokens=512, budgets=(192, 288),
         policies=("full", *EPIKV_VARIANTS, *BASELINES), second=("epikv", "h2o", "streaming", "keydiff"),
     ),
     Arm(

@@ -58,7 +58,7 @@ class CellData:
         self.skipped = {s.id: s.reason for s in skips if s.key in selected}
         spec_path = plan.folder / "spec.json"
         spec = json.loads(spec_path.read_text()) if spec_path.is_file() else {}
-        self.tau = spec.get("interval")
+        self.tau = spec.get("interval") if cell.budget is not None else None  # full never compacts
         self.facts = {i: _facts(r, numbers, loops) for i, r in self.records.items()}
 
     @property
@@ -161,7 +161,7 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
     for arm in study.arms:
         full = data[f"{arm.name}/full@full"]
         arm_out: dict[str, Any] = {"levels": {}, "equal_peak": {}}
-        totals = [full.facts[i]["total"] for i in full.order[: study.noise_problems] if i in full.facts]
+        totals = [full.facts[i]["total"] for i in full.order[: study.budget_problems] if i in full.facts]
         if totals:
             arm_out["budget_rule"] = {"from_problems": len(totals), "rule": list(budgets_by_rule(totals)),
                                       "chosen": list(arm.budgets)}  # fmt: skip
