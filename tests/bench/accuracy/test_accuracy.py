@@ -48,6 +48,8 @@ def test_every_policy_runs_once_at_the_main_k_and_attention_rows_run_on_epikvs_e
     assert {c.policy for c in main if c.engine == "epikv"} == {"h2o", "tova", "snapkv", "rkv"}
     assert all(c.engine == "vllm-compiled" for c in main if c.policy not in ("h2o", "tova", "snapkv", "rkv"))
     assert [c.tag for c in cells if c.tag] == ["eager", "engine", "batch16"]
+    peak = {c.policy: c.budget for c in cells if c.arm == "gsm8k" and c.budget == 319}
+    assert peak == {"streaming": 319, "keydiff": 319, "h2o": 319, "epikv-flat": 319}  # 319 + 1 = 192 + 128
     assert len({c.name for c in cells}) == len(cells)
 
 

@@ -34,7 +34,9 @@ BLOCK = 32  # budgets are whole vLLM CPU blocks
 @dataclass(frozen=True)
 class Arm:
     """One dataset's part: its subset, cap, budgets (``budgets[0]`` is the main K) and policies.
-    ``policies`` run at every budget in ``budgets[:1]``; ``second`` at the other budgets."""
+    ``policies`` run at the main K; ``second`` at the other budgets; ``peak_policies`` at
+    K = ``peak`` - their own interval, so that each holds at most what Seg-Q holds at the main K
+    (equal peak memory: 192 + 128 = 320)."""
 
     name: str
     dataset: str
@@ -43,6 +45,8 @@ class Arm:
     budgets: tuple[int, ...]
     policies: tuple[str, ...]
     second: tuple[str, ...] = ()
+    peak: int | None = None
+    peak_policies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,11 @@ class Cell:
             limit=self.problems, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
             dtype=dtype, engine=self.engine, progress=progress,
         )  # fmt: skip
+
+
+def interval(policy: str) -> int:
+    """The policy's own compaction interval tau (its default)."""
+    return int(policy_class(policy)().interval)
 
 
 def reads_attention(policy: str) -> bool:
@@ -105,6 +114,8 @@ class Study:
             out.append(self._cell(arm, "full", None))
             out += [self._cell(arm, p, arm.budgets[0]) for p in arm.policies if p != "full"]
             out += [self._cell(arm, p, k) for k in arm.budgets[1:] for p in arm.second]
+            if arm.peak is not None:
+                out += [self._cell(arm, p, arm.peak - interval(p)) for p in arm.peak_policies]
         out += self.noise_cells()
         return out
 
@@ -165,6 +176,7 @@ DEFAULT_ARMS = (
     Arm(
         name="gsm8k", dataset="gsm8k:shuffle=0", problems=512, max_new_tokens=512, budgets=(192, 288),
         policies=("full", *EPIKV_VARIANTS, *BASELINES), second=("epikv", "h2o", "streaming", "keydiff"),
+        peak=320, peak_policies=("streaming", "keydiff", "h2o", "epikv-flat"),
     ),
     Arm(
         name="math500", dataset="math500:shuffle=0", problems=200, max_new_tokens=1024, budgets=(),
