@@ -106,7 +106,7 @@ class VllmGenerator:
         }  # fmt: skip
         self.max_new_tokens = max_new_tokens
         self.longest_prompt = 0
-        self.python = vllm_python(python)
+        self.python = python  # resolved when the worker starts: fit() needs no vLLM
         self.process: subprocess.Popen[str] | None = None
         self.started: dict[str, Any] = {}
         self._stop = self._stop_ids()
@@ -158,7 +158,7 @@ class VllmGenerator:
         need = self.longest_prompt + self.max_new_tokens
         self.start_msg["max_model_len"] = -(-need // BLOCK) * BLOCK
         self.process = subprocess.Popen(
-            [self.python, "-m", "epikv.vllm.eval_worker"],
+            [vllm_python(self.python), "-m", "epikv.vllm.eval_worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")},
         )  # fmt: skip
