@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from epikv.generation import SamplingConfig
     from epikv.spec import CacheSpec
 
-ENGINES = ("epikv", "vllm")
 VLLM_PYTHON_ENV = "EPIKV_VLLM_PYTHON"
 BLOCK = 32  # the worker's block size
 
@@ -72,8 +71,9 @@ def plugin_spec(
 
     config = AutoConfig.from_pretrained(source)
     identity = getattr(config, "epikv_model_id", None) or source
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return EpiKVSettings(policy, budget, interval, dict(params)).spec(hf_model_info(text, identity))
+    return EpiKVSettings(policy, budget, interval, dict(params)).spec(
+        hf_model_info(config.get_text_config(), identity)
+    )
 
 
 class VllmGenerator:

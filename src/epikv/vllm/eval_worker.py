@@ -87,16 +87,16 @@ class Worker:
 
 
 def token_bytes(msg: dict[str, Any]) -> int:
-    """KV bytes per token of the model in ``msg["model"]`` at ``msg["dtype"]`` (every layer, K and V)."""
+    """KV bytes per token of the model in ``msg["model"]`` at ``msg["dtype"]`` (every layer, K and V),
+    from the shape the plugin itself reads (:func:`epikv.vllm.config.hf_model_info`)."""
     from transformers import AutoConfig
 
+    from epikv.vllm.config import hf_model_info
+
     config = AutoConfig.from_pretrained(msg["model"])
-    text = getattr(config, "text_config", None) or config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    info = hf_model_info(config.get_text_config(), msg["model"])
     width = 4 if msg["dtype"] == "float32" else 2
-    return text.num_hidden_layers * 2 * kv_heads * head_dim * width
+    return info.num_layers * 2 * info.num_kv_heads * info.head_dim * width
 
 
 def result(output: Any) -> dict[str, Any]:
