@@ -118,7 +118,6 @@ def test_unknown_policy_is_a_clear_error(capsys):
     "argv, message",
     [
         (["generate", "--budget", "0", "hello"], "budget must be a positive"),
-        (["generate", "--budget", "8", "hello"], "cannot hold the protected tokens"),
         (["generate", "   "], "prompt 0 is empty"),
         (["generate", "--threads", "two", "hello"], "--threads must be 'auto' or a positive number"),
         (["generate", "--threads", "0", "hello"], "got '0'"),
@@ -160,4 +159,13 @@ def test_generate_json_reports_the_cache(capsys):
         assert key in report
     assert report["attn_implementation"] == "sdpa" and report["tokens_generated"] == 20
     assert report["policy"]["name"] == "epikv-flat" and report["policy"]["band_a"] is not None
-    assert report["peak_cache_tokens"] <= 49
+    assert report["peak_cache_tokens"] <= 49 and report["budget"] == 48
+
+
+def test_generate_runs_a_prompt_past_its_budget_at_the_smallest_that_holds_it(capsys):
+    argv = ["generate", "--json", "--policy", "epikv-flat", "--budget", "8", "--max-new-tokens", "4", "hi"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    prompt, k = report["prompt_tokens"], report["budget"]
+    # the prompt and its recent window, min(128, K // 4), fit K and not K - 1 (K 8 holds neither)
+    assert k > 8 and prompt + k // 4 <= k and prompt + (k - 1) // 4 > k - 1

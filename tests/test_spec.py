@@ -40,6 +40,19 @@ def test_the_hint_grows_with_the_recent_window():
     assert s.min_budget(30) == 39
 
 
+def test_a_prompt_past_k_runs_at_the_smallest_k_that_holds_it():
+    """Issue 42 item 0: a prompt-protecting policy raises K for a long prompt instead of refusing it
+    (prompt 798 at K 128: 798 + min(128, K // 4) <= K first at K = 926), and its cap follows."""
+    flat = CacheSpec.build(INFO, "epikv-flat", 128, interval=16, params={"band_a": 1, "band_b": 2})
+    assert flat.prompt_budget(96) == 128  # 96 + 32 fit
+    assert flat.prompt_budget(100) == flat.prompt_budget(100, 64) == 133  # 100 + 33; 132 holds 100 + 33
+    assert flat.prompt_budget(798) == flat.min_budget(798) == 926
+    assert flat.cap_tokens(798) == 926 + 16 and flat.peak_tokens(798, 10) == 808
+    sinks = CacheSpec.build(INFO, "streaming", 16, interval=4)  # 4 sinks + 4 recent fit any prompt
+    assert sinks.prompt_budget(798) == 16 and sinks.cap_tokens(798) == 798
+    assert CacheSpec.build(INFO, "full").prompt_budget(798) is None
+
+
 def test_one_meaning_for_a_budget():
     assert parse_budget(256) == parse_budget("256") == 256 and parse_budget(None) is None
     for bad in (0, -1, "0", "full", "12.5", True):
@@ -54,13 +67,15 @@ def test_peak_tokens_is_the_reservation():
     s = spec("epikv", 256, first_compaction="after_prefill")  # tau 128
     assert s.peak_tokens(100, 50) == 150  # never reaches the budget
     assert s.peak_tokens(100, 2000) == 256 + 128
-    assert s.peak_tokens(500, 2000) == 500  # a prompt longer than K + tau is held whole once
+    # Seg-Q keeps the prompt: one past K runs at the K that holds it and its window, 500 + 128
+    assert s.peak_tokens(500, 2000) == 500 + 128 + 128
     # Seg-Q's own schedule (the authors' harness): the first compaction waits tau decode steps, so a
-    # prompt longer than K is held whole for tau more tokens.
+    # prompt longer than its K is held whole for tau more tokens (here past the raised K: 300 + 96)
     harness = spec("epikv", 256)
     assert harness.policy.first_compaction == "after_interval"
     assert harness.peak_tokens(100, 2000) == 256 + 128
-    assert harness.peak_tokens(500, 2000) == 500 + 128
+    assert harness.prompt_budget(300) == 399 and harness.peak_tokens(300, 2000) == 399 + 128
+    assert harness.peak_tokens(500, 2000) == 628 + 128
     assert harness.peak_tokens(500, 60) == 560
     assert CacheSpec.build(INFO, "full").peak_tokens(100, 2000) == 2100
 

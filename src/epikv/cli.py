@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "tokens_per_second": result.tokens_generated / result.seconds if result.seconds else 0.0,
         "attn_implementation": attention_implementation(model),
         "model": model_identity(model),
-        "budget": spec.budget,
+        "budget": result.budget,  # the K it ran at: raised for a prompt past it (CacheSpec.prompt_budget)
         "interval": spec.interval,
         "policy": policy.config(),
         "bands": None if spec.bands is None else dataclasses.asdict(spec.bands),

@@ -90,9 +90,20 @@ class CacheSpec:
             k = max(k + 1, self.protected_tokens(prompt_tokens, k) - self.policy.recent_window(k))
         return k
 
+    def prompt_budget(self, prompt_tokens: int, budget: int | None = None) -> int | None:
+        """The K a sequence with this prompt runs at on every host: ``budget`` (None = the spec's),
+        raised to :meth:`min_budget` when the prompt's protected tokens (the prompt or the sinks, and
+        the recent window) pass it. Such a row keeps its protected tokens and evicts what it generates
+        past its recent window; its books report the raised K. None: the spec never evicts."""
+        k = self.budget if budget is None else budget
+        if k is None:
+            return None
+        return max(k, self.min_budget(prompt_tokens))
+
     def check_prompt(self, prompt_tokens: int, budget: int | None = None) -> None:
         """Raise :class:`BudgetTooSmall` (with the smallest budget that works) if the prompt cannot run
-        at K."""
+        at K itself (:meth:`prompt_budget` would raise K): the strict rule of comparisons at equal K
+        (``epikv eval`` skips such a problem)."""
         k = self.budget if budget is None else budget
         if k is None:
             return
@@ -156,11 +167,12 @@ class CacheSpec:
         return 0 if self.policy.first_compaction == "after_interval" else self.interval
 
     def cap_tokens(self, prompt_tokens: int, budget: int | None = None) -> int | None:
-        """Most cache slots one sequence ever holds, however long it generates (None: it never evicts).
-        A prompt longer than K is held whole until its first compaction, which comes right after the
-        prefill (then at most max(P, K + tau)) or tau decode steps later (``after_interval``: at most
-        max(P, K) + tau). What a host reserves and checks, on every host."""
-        k = self.budget if budget is None else budget
+        """Most cache slots one sequence ever holds, however long it generates (None: it never evicts),
+        at its :meth:`prompt_budget` K. A prompt longer than K is held whole until its first
+        compaction, which comes right after the prefill (then at most max(P, K + tau)) or tau decode
+        steps later (``after_interval``: at most max(P, K) + tau). What a host reserves and checks, on
+        every host."""
+        k = self.prompt_budget(prompt_tokens, budget)
         if k is None:
             return None
         if self.policy.first_compaction == "after_interval":

@@ -55,7 +55,22 @@ def test_chat_matches_the_engine_alone(live, serve_model, embedded_tokenizer, sp
     assert reply.choices[0].message.content == text and reply.usage.completion_tokens == n == 40
     assert reply.choices[0].finish_reason == "length" and reply.object == "chat.completion"
     assert reply.usage.peak_cache_tokens == peak <= 64 + 8 and reply.usage.evictions > 0
-    assert reply.usage.prompt_tokens + n == reply.usage.total_tokens
+    assert reply.usage.prompt_tokens + n == reply.usage.total_tokens and reply.usage.kv_budget == 64
+
+
+def test_a_prompt_past_the_budget_runs_at_the_smallest_that_holds_it(
+    live, serve_model, embedded_tokenizer, spec
+):
+    """Issue 42 item 0: K 64 cannot hold this prompt and its recent window; it runs at the smallest K
+    that can, as the engine alone runs it, and the usage says which K."""
+    question = "word " * 80  # 111 tokens: K 147 (111 + 36); 60 more tokens pass it
+    reply = chat(live.client(), question, 60, extra_body={"ignore_eos": True})
+    text, _, peak, _ = alone(
+        serve_model, embedded_tokenizer, spec, [{"role": "user", "content": question}], 60
+    )
+    k = spec.prompt_budget(reply.usage.prompt_tokens)
+    assert k > 64 and reply.usage.kv_budget == k and reply.choices[0].message.content == text
+    assert reply.usage.peak_cache_tokens == peak <= k + 8 and reply.usage.evictions > 0
 
 
 def test_streaming_gives_the_same_text_and_usage(live):
@@ -170,7 +185,6 @@ def hi(**extra):
         (hi(top_logprobs=2), 400, "top_logprobs"),
         (hi(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
         (hi(kv_budget=65), 400, "kv_budget"),
-        (hi(messages=[{"role": "user", "content": "word " * 80}]), 400, "messages"),
         (hi(messages=[]), 400, "messages"),
         ({"model": MODEL_NAME}, 400, "messages"),
         (hi(temperature=-1), 400, "temperature"),

@@ -8,7 +8,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from epikv.errors import BudgetOutOfRange, BudgetTooSmall
+from epikv.errors import BudgetOutOfRange
 from epikv.policies.base import ModelInfo
 from epikv.vllm.config import BUDGET_ARG, EpiKVSettings, RequestPlan, plan_request
 from epikv.vllm.scheduler import EpiKVAttentionManager, EpiKVAttentionSpec, capped_spec
@@ -83,5 +83,8 @@ def test_the_request_rule_is_the_run_specs():
         plan_request(epikv, 100, None, {BUDGET_ARG: 512})
     with pytest.raises(BudgetOutOfRange, match="epikv_budget='lots'"):
         plan_request(epikv, 100, None, {BUDGET_ARG: "lots"})
-    with pytest.raises(BudgetTooSmall, match="smallest budget"):
-        plan_request(epikv, 300, None, None)  # Seg-Q protects the prompt
+    # Seg-Q protects the prompt: 300 + 128 cannot fit K 256, so it runs at the smallest K that holds
+    # the prompt and its recent window, 399 (300 + 399 // 4; 398 cannot), keeping its prompt
+    assert epikv.min_budget(300) == 399
+    assert plan_request(epikv, 300, None, None) == RequestPlan(399, 399 + 128, 399 + 128)
+    assert plan_request(epikv, 300, 50, {BUDGET_ARG: 64}) == RequestPlan(399, 527, 350)

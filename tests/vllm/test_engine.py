@@ -170,3 +170,27 @@ def test_key_and_value_scored_policies_keep_epikvs_sets_while_tokens_agree(
             if max(k) < len(embedded["prompts"][i]) + same
         ]
         assert shared == ref["kept"][i][: len(shared)], f"request {i}: {policy} kept sets differ"
+
+
+def test_prompts_past_k_run_at_their_raised_k_keeping_epikvs_sets(embedded, tmp_path):
+    """Issue 42 item 0: under a policy that protects the prompt, K 32 holds none of these prompts and
+    their recent window; each runs at the smallest K that does (the plan's rule), keeping exactly its
+    prompt and its newest tokens at every compaction, as epikv's engine keeps them."""
+    trace = tmp_path / "kept.jsonl"
+    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("epikv-flat", 32, trace=str(trace)))
+    spec = worker_state(llm).spec
+    prompts, n = embedded["prompts"], 48
+    out = generate(llm, prompts, n)
+    close(llm)
+    ref = reference_run("epikv-flat", 32, prompts, n)
+    ours = kept_sets(trace, out)
+    for i, (prompt, o) in enumerate(zip(prompts, out, strict=True)):
+        k = spec.min_budget(len(prompt))
+        recent = min(128, k // 4)
+        assert k > 32 and len(prompt) + recent == k  # every kept token is protected
+        assert o.kv_transfer_params["epikv"]["budget"] == k
+        assert o.kv_transfer_params["epikv"]["peak_cache_tokens"] == k + 1
+        assert ours[i] == ref["kept"][i] and len(ours[i]) == len(prompt) + n - 1 - k, i
+        for step, kept in enumerate(ours[i]):
+            seen = k + 1 + step
+            assert sorted(kept) == [*range(len(prompt)), *range(seen - recent, seen)], (i, step)

@@ -55,17 +55,18 @@ def test_a_request_the_rule_refuses_is_faulted_not_raised():
     s = state("epikv", 64)
     s.after_update(
         [
-            NewRequest("big", 300, 0, 10, None),  # Seg-Q protects a prompt larger than K
+            NewRequest("big", 300, 0, 10, None),  # Seg-Q protects it: runs at 300 + 99 (item 0)
             NewRequest("budget", 20, 0, 10, {BUDGET_ARG: 1000}),
             NewRequest("embeds", None, 0, 10, None),
             NewRequest("ok", 20, 0, 10, {BUDGET_ARG: 40}),
         ]
     )
     faults = s.take()[1]
-    assert sorted(faults) == ["big", "budget", "embeds"]
-    assert "smallest budget" in faults["big"] and "epikv_budget=1000" in faults["budget"]
-    assert list(s.requests.records) == ["ok"] and s.requests.records["ok"].books.budgets == [40]
+    assert sorted(faults) == ["budget", "embeds"] and "epikv_budget=1000" in faults["budget"]
+    assert list(s.requests.records) == ["big", "ok"]
+    assert s.requests.records["ok"].books.budgets == [40]
     assert s.requests.records["ok"].cap == 40 + 128  # after an interval: max(P, K) + tau
+    assert s.requests.records["big"].books.budgets == [399] and s.requests.records["big"].cap == 399 + 128
 
 
 def test_a_prefix_cache_hit_starts_the_books_holding_the_cached_prompt():

@@ -114,6 +114,7 @@ class RowBooks(RowState):
             self.held,
             self.evicted,
             mean,
+            self.budgets,
             strict=True,
         )
         return [SequenceStats(*row) for row in rows]

@@ -18,6 +18,7 @@ prefill inside :meth:`BudgetedCache.chunked_prefill`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import cat_rows, on_rows, take_rows
 from epikv.spec import CacheSpec
 
+log = logging.getLogger(__name__)
 QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -266,22 +268,33 @@ class BudgetedCache(Cache):
         if not self.started:
             real = new_valid.sum(dim=-1)
             added = real.tolist()  # one host sync per prefill
-            for tokens in added:
-                self.spec.check_prompt(tokens, self.budget)
             self.books = RowBooks.start(real, self.spec.first_since, self.budget, self.reservation)
+            self._raise_budgets(added)
             self.state = self.policy.init_state(batch, self.model, new_valid.device)
             self._started = True
         else:  # later passes feed q real tokens to every row (the attention mask is ours)
             if self._chunked:  # a later chunk of the prompt: the prompt grows, nothing is decoded
                 self.books.prompt_len = self.books.prompt_len + new_valid.sum(dim=-1)
-                for tokens in self.books.prompt_len.tolist():  # one host sync per chunk
-                    self.spec.check_prompt(tokens, self.budget)
+                self._raise_budgets(self.books.prompt_len.tolist())  # one host sync per chunk
             added = [q] * batch
         self._write_slots(new_valid, positions, q)
         if self.windows is not None:
             seen = self.books.seen.to(positions.device) + new_valid.sum(dim=-1)
             self.windows.begin_step(new_valid, positions, seen)
         self.books.grow(added, q, decode=decode)
+
+    def _raise_budgets(self, prompts: list[int]) -> None:
+        """Each row's K for its prompt so far (:meth:`CacheSpec.prompt_budget`: raised where the
+        prompt's protected tokens pass it), logged once per raise."""
+        budgets = self.books.budgets
+        for row, (tokens, k) in enumerate(zip(prompts, budgets, strict=True)):
+            raised = self.spec.prompt_budget(tokens, k)
+            if raised != k:
+                log.info(
+                    "row %d: a %d-token prompt's protected tokens pass K = %s; it runs at K = %s, "
+                    "keeping its prompt and its newest tokens", row, tokens, k, raised,
+                )  # fmt: skip
+                budgets[row] = raised
 
     def _write_slots(self, new_valid: torch.Tensor, positions: torch.Tensor, q: int) -> None:
         """Choose each row's slots for the q new tokens, make room, and write positions and validity."""

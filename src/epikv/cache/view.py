@@ -12,7 +12,9 @@ import torch
 @dataclass
 class SequenceStats:
     """What the cache did to one sequence. ``mean_cache_tokens``: tokens held during a decode pass
-    (after its new token), averaged over the passes since the prefill (None before the first)."""
+    (after its new token), averaged over the passes since the prefill (None before the first).
+    ``budget``: the K it ran at (raised for a prompt whose protected tokens pass the asked K:
+    :meth:`~epikv.spec.CacheSpec.prompt_budget`; None: it never evicts)."""
 
     prompt_tokens: int
     tokens_seen: int
@@ -20,6 +22,7 @@ class SequenceStats:
     final_cache_tokens: int
     evictions: int
     mean_cache_tokens: float | None = None
+    budget: int | None = None
 
 
 class SlotView:

@@ -2,8 +2,9 @@
 
 :class:`Admission` answers in one call, before any compute, from the spec and the engine's sizes
 alone (the model's context, its sliding-window rings, the KV pool): the request's own budget within
-1..K, a prompt within the model's context, protected tokens (prompt or sinks, plus the recent
-window) within the budget, and a reservation within the pool. What does not fit raises one of the
+1..K, a prompt within the model's context, and a reservation within the pool (a prompt whose
+protected tokens, the prompt or the sinks plus the recent window, pass its K runs at the smallest K
+that holds them: :meth:`~epikv.spec.CacheSpec.prompt_budget`). What does not fit raises one of the
 :class:`~epikv.errors.AdmissionError` family, naming the request's field to blame; what fits gets
 its reservation in cache slots, which the engine queues with the request and keeps on its running
 row. Whether it fits *now* (free slots, batch room, queue room) is the scheduler's.
@@ -33,13 +34,20 @@ class PromptFit:
     min_budget: int | None = None
 
 
-def check_prompt(spec: CacheSpec, context_length: int | None, prompt_tokens: int, budget: int | None) -> None:
-    """Raise :class:`PromptTooLong` (longer than the model's context: no budget helps) or
-    :class:`BudgetTooSmall` (protected tokens over ``budget``, a request's own K; None = the spec's)."""
+def check_context(context_length: int | None, prompt_tokens: int) -> None:
+    """Raise :class:`PromptTooLong` for a prompt longer than the model's context (no budget helps)."""
     if context_length is not None and prompt_tokens > context_length:
         raise PromptTooLong(
             f"the prompt has {prompt_tokens} tokens but the model's context is {context_length} tokens"
         )
+
+
+def check_prompt(spec: CacheSpec, context_length: int | None, prompt_tokens: int, budget: int | None) -> None:
+    """The strict rule of comparisons at equal K (``epikv eval``): raise :class:`PromptTooLong` (see
+    :func:`check_context`) or :class:`BudgetTooSmall` (protected tokens over ``budget``, a request's
+    own K; None = the spec's). The engine itself runs such a prompt at a raised K
+    (:meth:`~epikv.spec.CacheSpec.prompt_budget`)."""
+    check_context(context_length, prompt_tokens)
     spec.check_prompt(prompt_tokens, budget)
 
 
@@ -74,12 +82,12 @@ class Admission:
 
     def check(self, request: Request) -> int:
         """The slots ``request`` reserves: the most its evicting layers can ever hold (the spec's
-        peak at its budget) plus its sliding-window rings. Raises an :class:`AdmissionError`
-        (BudgetOutOfRange, PromptTooLong, BudgetTooSmall with the smallest budget, PoolTooSmall)
-        for a request that no wait would admit."""
+        peak at its budget, raised for a prompt whose protected tokens pass it) plus its
+        sliding-window rings. Raises an :class:`AdmissionError` (BudgetOutOfRange, PromptTooLong,
+        PoolTooSmall) for a request that no wait would admit."""
         self.spec.row_budget(request.budget)
         tokens, new = request.prompt_tokens, request.max_new_tokens
-        check_prompt(self.spec, self.context_length, tokens, request.budget)
+        check_context(self.context_length, tokens)
         context = self.context_length
         if context is not None and tokens + new > context:
             log.warning(

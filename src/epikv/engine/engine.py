@@ -244,6 +244,7 @@ class Engine:
             prefill_seconds=live.prefill_seconds,
             seconds=time.perf_counter() - live.started,
             mean_cache_tokens=stats.mean_cache_tokens,
+            budget=stats.budget,
         )
 
     # -- a whole batch ----------------------------------------------------------------------------

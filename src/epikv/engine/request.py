@@ -108,6 +108,8 @@ class Completion:
     first_evicted_index: index of the first token chosen from logits of a cache that had already
     evicted (None if it never did). seconds: from the request's prefill to its last token.
     mean_cache_tokens: tokens the row held per decode step, averaged (None if it never decoded).
+    budget: the K the request ran at: its own or the spec's, raised for a prompt whose protected
+    tokens pass it (:meth:`~epikv.spec.CacheSpec.prompt_budget`; None: it never evicts).
     text: the tokens decoded, set by a client that has the tokenizer (``generate``); the engine
     knows none and leaves it empty.
     """
@@ -125,6 +127,7 @@ class Completion:
     seconds: float
     mean_cache_tokens: float | None = None
     text: str = ""
+    budget: int | None = None
 
     @property
     def tokens_generated(self) -> int:

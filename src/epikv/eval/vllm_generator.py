@@ -170,7 +170,9 @@ class VllmGenerator:
 
     def fit(self, prompts: list[Messages], /) -> list[PromptFit]:
         """The plugin's own request rule for each prompt (:func:`epikv.vllm.config.plan_request`),
-        here, without vLLM; remembers the longest prompt, which sizes the worker."""
+        here, without vLLM, after the strict rule of comparisons at equal K (a prompt whose protected
+        tokens pass K is skipped, as on epikv's engine, not run at a raised K); remembers the longest
+        prompt, which sizes the worker."""
         from epikv.engine.admission import PromptFit
         from epikv.vllm.config import plan_request
 
@@ -178,6 +180,7 @@ class VllmGenerator:
         for row in self.prompt_ids(prompts):
             smallest = self.spec.min_budget(len(row)) if self.spec.evicts else None
             try:
+                self.spec.check_prompt(len(row))
                 plan_request(self.spec, len(row), self.max_new_tokens, None)
                 fits.append(PromptFit(len(row), None, smallest))
             except ValueError as err:

@@ -303,7 +303,7 @@ class _Routes:
 def _usage(outcome: Outcome, record: AccessRecord | None) -> dict[str, Any]:
     """The response's usage; the access log gets it and the finish reason too."""
     c = outcome.completion
-    used = p.usage(c.prompt_tokens, len(c.token_ids), c.peak_cache_tokens, c.evictions)
+    used = p.usage(c.prompt_tokens, len(c.token_ids), c.peak_cache_tokens, c.evictions, c.budget)
     if record is not None:
         record.usage, record.outcome = used, outcome.finish_reason
     return used

@@ -175,8 +175,14 @@ def new_id(prefix: str) -> str:
 
 
 def usage(
-    prompt: int, completion: int, peak: int | None = None, evictions: int | None = None
+    prompt: int,
+    completion: int,
+    peak: int | None = None,
+    evictions: int | None = None,
+    budget: int | None = None,
 ) -> dict[str, Any]:
+    """OpenAI's usage; with the cache's counters when known, and ``kv_budget``, the K the request ran
+    at (raised for a prompt whose protected tokens pass it), when it evicts."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -184,6 +190,8 @@ def usage(
     }
     if peak is not None:
         out.update(peak_cache_tokens=peak, evictions=evictions)
+    if budget is not None:
+        out["kv_budget"] = budget
     return out
 
 

@@ -115,9 +115,10 @@ def plan_request(
     spec: CacheSpec, prompt_tokens: int, max_tokens: int | None, extra_args: Mapping[str, Any] | None
 ) -> RequestPlan:
     """The one rule for a request on both sides of vLLM (front end, scheduler, worker): its budget
-    (``extra_args["epikv_budget"]``, 1..the server's K, or the server's K), its cap and its
+    (``extra_args["epikv_budget"]``, 1..the server's K, or the server's K; raised for a prompt whose
+    protected tokens pass it: :meth:`~epikv.spec.CacheSpec.prompt_budget`), its cap and its
     reservation. Raises an :class:`~epikv.errors.AdmissionError` (one line, naming the request field
-    to blame) for what cannot run: a bad budget, or a prompt whose protected tokens do not fit it."""
+    to blame) for a bad budget."""
     raw = (extra_args or {}).get(BUDGET_ARG)
     budget = spec.budget
     if raw is not None:
@@ -125,7 +126,7 @@ def plan_request(
             budget = spec.row_budget(parse_budget(raw))
         except ValueError as err:
             raise BudgetOutOfRange(f"{BUDGET_ARG}={raw!r}: {err}") from None
-    spec.check_prompt(prompt_tokens, budget)
+    budget = spec.prompt_budget(prompt_tokens, budget)
     cap = spec.cap_tokens(prompt_tokens, budget)
     if cap is None:
         return RequestPlan(None, None, None)
