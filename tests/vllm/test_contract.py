@@ -48,9 +48,12 @@ def test_each_called_function_keeps_its_parameters(path):
     assert params[: len(want)] == want, f"{path}{params}: the plugin's call must follow"
 
 
-def test_the_tensor_parallel_group_still_sets_the_attributes_the_plugin_reads():
-    source = inspect.getsource(resolve("vllm.distributed.parallel_state:GroupCoordinator").__init__)
-    assert all(f"self.{name} =" in source for name in pins.GROUP_ATTRS)
+@pytest.mark.parametrize("owner", sorted(pins.INIT_ATTRS))
+def test_each_class_still_sets_the_attributes_the_plugin_reads(owner):
+    init = resolve(owner).__init__
+    source = inspect.getsource(getattr(init, "__wrapped__", init))
+    missing = [name for name in pins.INIT_ATTRS[owner] if f"self.{name}" not in source]
+    assert not missing, f"{owner}.__init__ no longer sets {missing}"
 
 
 @pytest.mark.parametrize("owner", sorted(pins.FIELDS))

@@ -33,8 +33,15 @@ def logprobs(outputs):
 
 
 def test_full_under_the_plugin_gives_plain_vllm_tokens_and_logprobs(embedded, plain):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.inputs import TokensPrompt
+
     llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("full"))
     out = generate(llm, embedded["prompts"], N, logprobs=1)
+    asked = SamplingParams(max_tokens=4, extra_args={"epikv_budget": 64})  # epikv's engine refuses it too
+    with pytest.raises(VLLMValidationError, match="keeps every token: a request budget cannot be set"):
+        llm.generate([TokensPrompt(prompt_token_ids=embedded["prompts"][0])], asked, use_tqdm=False)
     close(llm)
     assert tokens(out) == tokens(plain)
     assert logprobs(out) == logprobs(plain)  # bit for bit: the plugin changes nothing without eviction

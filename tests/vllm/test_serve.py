@@ -14,7 +14,7 @@ from conftest import metric, serve
 @pytest.fixture(scope="module")
 def server(embedded, tmp_path_factory):
     args = ["--max-model-len", "4096", "--enable-prefix-caching", "--block-size", "32"]
-    settings = {"policy": "epikv", "budget": 128}
+    settings = {"policy": "epikv", "budget": 128, "interval": 16}  # every answer below evicts
     with serve(embedded["folder"], args, settings, tmp_path_factory.mktemp("serve") / "server.log") as base:
         yield base
 
@@ -41,8 +41,8 @@ def test_an_openai_client_gets_an_answer_with_bounded_memory_and_its_own_budget(
         for k in (None, 64)
     ]
     stats = [r.model_extra["kv_transfer_params"]["epikv"] for r in replies]
-    assert all(r.choices[0].message.content and r.usage.completion_tokens == 300 for r in replies)
-    assert [(s["budget"], s["peak_cache_tokens"]) for s in stats] == [(128, 128 + 128), (64, 64 + 128)]
+    assert all(r.choices[0].message.content for r in replies)
+    assert [(s["budget"], s["peak_cache_tokens"]) for s in stats] == [(128, 128 + 16), (64, 64 + 16)]
     assert stats[1]["evictions"] > stats[0]["evictions"] > 0
 
 
@@ -61,14 +61,18 @@ def test_beam_search_is_refused_in_one_line(server):
 
 
 def test_stop_strings_and_streams_carry_their_counters(server):
-    free = chat(server, "Explain how a rainbow forms, step by step.", 60).json()
-    text = free["choices"][0]["message"]["content"]
-    stop = text[len(text) // 2 :][:10]
     ask = [{"role": "user", "content": "Explain how a rainbow forms, step by step."}]
-    body = {"model": "smollm2", "max_tokens": 60, "temperature": 0, "stop": [stop], "messages": ask}
+    body = {"model": "smollm2", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "messages": ask}
+    free = httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json()
+    text = free["choices"][0]["message"]["content"]
+    stop = text[len(text) * 7 // 8 :][:12]  # past K + tau: the stopped answer has evicted
+    body["stop"] = [stop]
     stopped = httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json()
-    assert stopped["choices"][0]["finish_reason"] == "stop"
-    assert stopped["kv_transfer_params"]["epikv"]["peak_cache_tokens"] > 0
+    assert (
+        stopped["choices"][0]["finish_reason"] == "stop"
+        and stop not in stopped["choices"][0]["message"]["content"]
+    )
+    assert stopped["kv_transfer_params"]["epikv"]["evictions"] > 0
     with httpx.stream(
         "POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=300
     ) as r:
@@ -78,10 +82,10 @@ def test_stop_strings_and_streams_carry_their_counters(server):
 
 
 def test_a_streamed_completion_carries_its_counters(server):
-    body = {"model": "smollm2", "prompt": "The three states of water are", "max_tokens": 40,
+    body = {"model": "smollm2", "prompt": "The three states of water are", "max_tokens": 160,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
     plain = httpx.post(server + "/v1/completions", json=body, timeout=300).json()
-    assert plain["kv_transfer_params"]["epikv"]["peak_cache_tokens"] > 0
+    assert plain["kv_transfer_params"]["epikv"]["evictions"] > 0
     with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     finishing = [c for c in chunks if any(ch.get("finish_reason") for ch in c["choices"])]
@@ -92,7 +96,7 @@ def test_a_streamed_completion_carries_its_counters(server):
 def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(server):
     system = "You are a careful assistant. " * 10  # two full blocks of 32; Seg-Q@128 protects it
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime."}]
-    body = {"model": "smollm2", "max_tokens": 40, "temperature": 0, "messages": ask}
+    body = {"model": "smollm2", "max_tokens": 160, "temperature": 0, "ignore_eos": True, "messages": ask}
     hits = [metric(server, "vllm:prefix_cache_hits_total")]
     answers = []
     for _ in range(2):
@@ -100,6 +104,7 @@ def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(serve
         hits.append(metric(server, "vllm:prefix_cache_hits_total"))
     assert hits[2] - hits[1] >= 64  # the second request found the prompt's full blocks
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert all(a["kv_transfer_params"]["epikv"]["evictions"] > 0 for a in answers)
 
 
 def test_every_finished_request_is_counted_as_vllm_counts_it(server):
@@ -111,7 +116,7 @@ def test_every_finished_request_is_counted_as_vllm_counts_it(server):
 def test_a_prompt_past_the_budget_runs_under_the_default_policy_keeping_its_prompt(server):
     """Issue 42 item 0: Seg-Q at K 128 cannot hold this prompt and its recent window; it runs at the
     smallest K that can (its counters say which), evicting what it generates past its window."""
-    body = {"model": "smollm2", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+    body = {"model": "smollm2", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "word " * 300}]}  # fmt: skip
     reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
@@ -119,6 +124,5 @@ def test_a_prompt_past_the_budget_runs_under_the_default_policy_keeping_its_prom
     stats, prompt = answer["kv_transfer_params"]["epikv"], answer["usage"]["prompt_tokens"]
     k = stats["budget"]
     assert k > 128 and prompt + min(128, k // 4) <= k and prompt + min(128, (k - 1) // 4) > k - 1
-    assert stats["evictions"] > 0 and stats["peak_cache_tokens"] <= k + 128  # tau 128
-    assert answer["usage"]["completion_tokens"] == 400
+    assert stats["evictions"] > 0 and stats["peak_cache_tokens"] <= k + 16  # tau 16
     assert httpx.get(server + "/health").status_code == 200

@@ -8,6 +8,8 @@ so the module's engine is not used after one."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from conftest import close, generate, make_llm, tokens, worker_state
 from vllm import SamplingParams
@@ -100,6 +102,9 @@ def test_a_forced_preemption_fails_the_running_requests_alone_and_the_engine_ser
 
 
 def test_a_fault_in_one_requests_step_fails_that_request_alone(llm, embedded, solo, monkeypatch):
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.exceptions import GenerationError
+
     state = worker_state(llm)
     p = embedded["prompts"]
     bad = len(p[1])
@@ -116,6 +121,14 @@ def test_a_fault_in_one_requests_step_fails_that_request_alone(llm, embedded, so
     monkeypatch.undo()
     assert out[1].outputs[0].finish_reason == "error"
     assert "prefill failed: RuntimeError: a fault for the test" in out[1].kv_transfer_params["epikv"]["error"]
+    # the front end kept the line for the response (an OpenAI server's 500 body), by the client's id,
+    # once; vLLM's own line otherwise
+    serving = SimpleNamespace(engine_client=llm.llm_engine)
+    with pytest.raises(GenerationError, match="prefill failed: RuntimeError: a fault for the test"):
+        GenerateBaseServing._raise_if_error(serving, "error", out[1].request_id)
+    with pytest.raises(GenerationError, match=r"^Internal server error$"):
+        GenerateBaseServing._raise_if_error(serving, "error", out[1].request_id)
+    GenerateBaseServing._raise_if_error(serving, "length", out[0].request_id)
     assert [tokens([o])[0] for o in (out[0], out[2])] == [solo[0], solo[2]]
     assert tokens(generate(llm, [p[1]], 80))[0] == solo[1]
     assert_nothing_left(llm)
@@ -267,9 +280,11 @@ def test_the_pinned_attributes_are_on_a_live_engine(llm, embedded):
         (runner.input_batch.block_table[0], pins.BLOCK_TABLE_ATTRS),
         (request, pins.REQUEST_ATTRS),
         (scheduler, pins.SCHEDULER_ATTRS),
+        (llm.llm_engine, pins.INIT_ATTRS["vllm.v1.engine.llm_engine:LLMEngine"]),
     ]:
         missing = [n for n in names if not hasattr(obj, n)]
         assert not missing, f"{type(obj).__name__} lacks {missing}"
+    assert llm.llm_engine.input_processor.epikv_pool == 200 - 1  # in process: one pool, its null block
     while llm.llm_engine.has_unfinished_requests():
         llm.llm_engine.step()
     assert_nothing_left(llm)
@@ -297,6 +312,8 @@ def test_chunked_prompts_beside_decode_rows_give_each_request_its_solo_tokens(em
 
 
 def test_admission_charges_each_request_what_it_can_hold_not_k_plus_tau(embedded):
+    from vllm.exceptions import VLLMValidationError
+
     blocks, budget = 64, 256
     llm = make_llm(embedded["folder"], blocks=blocks, **epikv.vllm.engine_kwargs("streaming", budget))
     scheduler = core(llm).scheduler
@@ -313,8 +330,15 @@ def test_admission_charges_each_request_what_it_can_hold_not_k_plus_tau(embedded
     scheduler.schedule = watch
     prompts = [embedded["prompts"][i % 4] for i in range(16)]
     out = generate(llm, prompts, 24)
+    # what no wait would admit is a 400 from the front end (issue 42 item 4), before the engine sees it
+    with pytest.raises(
+        VLLMValidationError,
+        match=r"reserves 2020 tokens \(64 blocks of 32\), more than the whole KV pool \(63 blocks\)",
+    ) as refused:
+        generate(llm, [[42] * 2020], 24)  # streaming: held whole once, min(P, P + 24)
     close(llm)
     reserve = {cdiv(len(p) + 24, 32) for p in prompts}
+    assert refused.value.parameter == "max_tokens"
     assert all(n in reserve for step in held for n in step.values())  # min(cap, P + max_tokens)
     assert all(sum(step.values()) <= blocks - 1 for step in held)
     assert max(running) == 16  # charged K + tau = 257 tokens (9 blocks) each, only 63 // 9 = 7 would run

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from epikv.archs import ARCHITECTURES, sliding_layers, window_problem
-from epikv.errors import BudgetOutOfRange
+from epikv.errors import BudgetOutOfRange, PoolTooSmall
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec, parse_budget
 from epikv.vllm.pins import VLLM_SERIES
@@ -132,6 +132,20 @@ def plan_request(
         return RequestPlan(None, None, None)
     reserve = cap if max_tokens is None else min(cap, prompt_tokens + max_tokens)
     return RequestPlan(budget, cap, reserve)
+
+
+def check_pool(plan: RequestPlan, block_size: int, usable_blocks: int, window_blocks: int = 0) -> None:
+    """Raise :class:`~epikv.errors.PoolTooSmall` (one line) for a request whose reservation, in
+    blocks, and its sliding windows' blocks pass the whole KV pool of one replica: no wait would
+    admit it. The one rule of the front end (a 400) and the scheduler (for inputs that come another
+    way, and hybrids' windows, which only the scheduler counts)."""
+    blocks = -(-(plan.reserve or 0) // block_size)
+    if blocks + window_blocks > usable_blocks:
+        raise PoolTooSmall(
+            f"this request reserves {plan.reserve} tokens ({blocks} blocks of {block_size}"
+            + (f", and {window_blocks} for its sliding windows" if window_blocks else "")
+            + f"), more than the whole KV pool ({usable_blocks} blocks)"
+        )
 
 
 def model_info(vllm_config: Any) -> ModelInfo:

@@ -61,6 +61,11 @@ METHODS: dict[str, dict[str, list[str]]] = {
     "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion": {
         "completion_stream_generator": ["self", "request", "engine_inputs", "result_generator"],
     },
+    # a failed request's 500 carries the epikv line (plugin._wrap_errors); retire when vLLM's error
+    # finish can carry a message of its own
+    "vllm.entrypoints.generate.base.serving:GenerateBaseServing": {
+        "_raise_if_error": ["self", "finish_reason", "request_id"],
+    },
 }
 
 # module-level functions the plugin calls -> the leading parameters it passes
@@ -79,6 +84,17 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # attributes the plugin reads off the tensor-parallel group (set in GroupCoordinator.__init__)
 GROUP_ATTRS = ("rank_in_group", "world_size")
+
+# class -> attributes its __init__ sets that the plugin's front-end wrappers read: the engines'
+# processors and core client (plugin._after_init, _replica_pool), the clients' engine list (one
+# per data-parallel replica they manage), a front-end request's ids (metrics.Latest)
+INIT_ATTRS: dict[str, tuple[str, ...]] = {
+    "vllm.v1.engine.llm_engine:LLMEngine": ("input_processor", "output_processor", "engine_core"),
+    "vllm.v1.engine.async_llm:AsyncLLM": ("input_processor", "output_processor", "engine_core"),
+    "vllm.v1.engine.core_client:MPClient": ("core_engines",),
+    "vllm.v1.engine.output_processor:RequestState": ("external_req_id", "parent_req"),
+    "vllm.distributed.parallel_state:GroupCoordinator": GROUP_ATTRS,
+}
 
 # dataclass / struct -> the fields the plugin reads or writes
 FIELDS: dict[str, set[str]] = {
@@ -99,6 +115,7 @@ FIELDS: dict[str, set[str]] = {
     "vllm.v1.engine:EngineCoreOutput": {"request_id", "finish_reason", "kv_transfer_params"},
     "vllm.v1.engine:EngineCoreOutputs": {"outputs"},
     "vllm.v1.worker.gpu_model_runner:ExecuteModelState": {"aux_hidden_states"},
+    "vllm.config.cache:CacheConfig": {"num_gpu_blocks", "block_size"},  # the front end's pool
 }
 
 # attributes of live objects (checked on a running engine): the runner, its input batch, the

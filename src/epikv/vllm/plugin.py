@@ -54,6 +54,7 @@ def register() -> None:
     _wrap_beam_search()
     _wrap_outputs()
     _wrap_chat_stream()
+    _wrap_errors()
     _DONE = True
 
 
@@ -104,28 +105,35 @@ def _wrap_inputs() -> None:
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         request = process(self, *args, **kwargs)
         spec = engine_spec(self, self.vllm_config)
-        if spec is not None and spec.evicts and request.prompt_token_ids is not None:
-            _admit(spec, request)
+        if spec is not None and request.prompt_token_ids is not None:
+            _admit(spec, request, getattr(self, "epikv_pool", None), self.vllm_config.cache_config.block_size)
         return request
 
     InputProcessor.process_inputs = process_inputs  # type: ignore[method-assign]
 
 
-def _admit(spec: Any, request: Any) -> None:
+def _admit(spec: Any, request: Any, pool: int | None, block_size: int) -> None:
+    """The request rule (a bad budget, also under ``full``) and, once the front end knows one
+    replica's pool (``pool``, usable blocks; None for hybrids, whose windows only the scheduler
+    counts), the pool rule: each a 400 naming the request's field."""
     from vllm.exceptions import VLLMValidationError
 
     from epikv.errors import AdmissionError
-    from epikv.vllm.config import BUDGET_ARG, plan_request
+    from epikv.vllm.config import BUDGET_ARG, check_pool, plan_request
 
     params = request.sampling_params
     if params is None:  # pooling: nothing is generated, nothing evicted
         return
     tokens = len(request.prompt_token_ids)
     try:
-        plan_request(spec, tokens, params.max_tokens, params.extra_args)
+        plan = plan_request(spec, tokens, params.max_tokens, params.extra_args)
+        if pool is not None and plan.reserve is not None:
+            check_pool(plan, block_size, pool)
     except AdmissionError as err:
-        name = BUDGET_ARG if err.field == "budget" else "prompt"
-        value = (params.extra_args or {}).get(BUDGET_ARG) if err.field == "budget" else tokens
+        name, value = {
+            "budget": (BUDGET_ARG, (params.extra_args or {}).get(BUDGET_ARG)),
+            "max_new_tokens": ("max_tokens", params.max_tokens),
+        }.get(err.field, ("prompt", tokens))
         raise VLLMValidationError(f"epikv: {err}", parameter=name, value=value) from err
 
 
@@ -218,8 +226,44 @@ def _after_init(engine: type, latest: type) -> None:
             name = vllm_config.model_config.served_model_name
             model = name[0] if isinstance(name, list | tuple) else str(name)
             self.output_processor.epikv_latest = latest(model)
+            self.input_processor.epikv_pool = _replica_pool(self)
 
     engine.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _replica_pool(engine: Any) -> int | None:
+    """Usable KV blocks of one data-parallel replica, as this front end learnt them at start-up: vLLM
+    sums the pools of the engines a client manages (``core_engines``; one in process), and each has
+    a null block. None for a hybrid (its sliding windows need blocks only the scheduler counts) or
+    before any pool is known."""
+    from epikv.vllm.config import model_info
+
+    total = engine.vllm_config.cache_config.num_gpu_blocks
+    if not total or model_info(engine.vllm_config).sliding_layers:
+        return None
+    engines = len(getattr(engine.engine_core, "core_engines", None) or [None])
+    return total // engines - 1
+
+
+def _wrap_errors() -> None:
+    """A request the worker or scheduler failed (vLLM's ``error`` finish) answers with the epikv
+    line (vLLM's 500 says only "Internal server error"): the front end's counters keep each failed
+    request's line (:class:`epikv.vllm.metrics.Latest`) until its response is built."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.exceptions import GenerationError
+
+    raise_if_error = GenerateBaseServing._raise_if_error
+
+    @functools.wraps(raise_if_error)
+    def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
+        if finish_reason == "error":
+            latest = getattr(getattr(self.engine_client, "output_processor", None), "epikv_latest", None)
+            message = latest.error_of(request_id) if latest is not None else None
+            if message is not None:
+                raise GenerationError(message)
+        raise_if_error(self, finish_reason, request_id)
+
+    GenerateBaseServing._raise_if_error = _raise_if_error  # type: ignore[method-assign]
 
 
 def _wrap_chat_stream() -> None:

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.request import RequestStatus
 
 from epikv.errors import AdmissionError
-from epikv.vllm.config import KEY, EpiKVSettings, RequestPlan, model_info, plan_request
+from epikv.vllm.config import KEY, EpiKVSettings, RequestPlan, check_pool, model_info, plan_request
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +166,9 @@ class EpiKVScheduler(Scheduler):
             plan = plan_request(
                 spec, request.num_prompt_tokens, request.max_tokens, params.extra_args if params else None
             )
-            blocks = cdiv(plan.reserve or 0, self.epikv_block)
             first = min(request.num_prompt_tokens, self.epikv_chunk)
             windows = sum(self.epikv_window_blocks(m, first) for m in self.epikv_windows)
-            if blocks + windows > self.epikv_usable_blocks:
-                raise AdmissionError(
-                    f"this request reserves {plan.reserve} tokens ({blocks} blocks of {self.epikv_block}"
-                    + (f", and {windows} for its sliding windows" if windows else "")
-                    + f"), more than the whole KV pool ({self.epikv_usable_blocks} blocks)"
-                )
+            check_pool(plan, self.epikv_block, self.epikv_usable_blocks, windows)
         except AdmissionError as err:
             self.epikv_fail(request, str(err))
             return
