@@ -1,7 +1,9 @@
-"""The host-neutral core (run spec, selection, scoring, policies, books, profiles) and the vLLM
-plugin's host-neutral modules import and run with transformers, ``epikv.integration``,
-``epikv.engine`` and ``epikv.cache.budgeted`` blocked: inside vLLM's environment they are all the
-plugin loads of epikv. Run in a fresh interpreter, so nothing imported earlier hides an import."""
+"""The host-neutral core (run spec, selection, scoring, policies, books, profiles, the query path)
+and the vLLM plugin's modules import and run with transformers, ``epikv.integration``,
+``epikv.engine``, ``epikv.cache.budgeted`` and ``epikv.models`` blocked: inside vLLM's environment
+they are all the plugin loads of epikv, on its real paths (Seg-Q with shipped bands, the
+Transformers backend's query path). Run in a fresh interpreter, so nothing imported earlier hides
+an import."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import subprocess
 import sys
 import textwrap
 
-BLOCKED = ("transformers", "epikv.integration", "epikv.engine", "epikv.cache.budgeted", "vllm")
+BLOCKED = (
+    "transformers", "epikv.integration", "epikv.engine", "epikv.cache.budgeted", "epikv.models", "vllm",
+)  # fmt: skip
 CORE = (
     "epikv.spec",
     "epikv.archs",
@@ -26,6 +30,9 @@ CORE = (
     "epikv.vllm.compaction",
     "epikv.vllm.paged",
     "epikv.vllm.metrics",
+    "epikv.vllm.queries",
+    "epikv.querypath",
+    "epikv.paths",
 )
 
 SCRIPT = textwrap.dedent(
@@ -44,6 +51,13 @@ SCRIPT = textwrap.dedent(
     spec = EpiKVSettings("epikv", 256, params={{"band_a": 10, "band_b": 20}}).spec(
         ModelInfo("m", 30, 9, 3, 64, 576)
     )
+    # the plugin's real paths: Seg-Q with the shipped bands (found through the user's profile folder
+    # first), and the Transformers-backend query path, which resolves its imports when built
+    shipped = EpiKVSettings("epikv", 256).spec(ModelInfo("smollm2-135m", 30, 9, 3, 64, 576))
+    assert shipped.bands.band_a == 7 and "shipped" in shipped.bands.origin, shipped.bands
+    from types import SimpleNamespace
+    from epikv.vllm.queries import _transformers_backend
+    _transformers_backend(SimpleNamespace(model=None), "llama")
     print(plan_request(spec, 100, 50, None))
     """
 )

@@ -22,6 +22,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from epikv.paths import model_cache_dir
+
 log = logging.getLogger(__name__)
 
 # The paper's bands (authors' repo, method-and-baselines.md §1.3): representative layers.
@@ -52,8 +54,6 @@ class BandProfile:
 
 def user_profile_dir() -> Path:
     """The ``profiles/`` folder of EpiKV's cache folder (same rule as the converted models)."""
-    from epikv.models import model_cache_dir
-
     return model_cache_dir() / "profiles"
 
 

@@ -134,6 +134,23 @@ def test_a_fault_in_one_requests_step_fails_that_request_alone(llm, embedded, so
     assert_nothing_left(llm)
 
 
+def test_a_fault_in_epikvs_front_end_bookkeeping_never_reaches_vllms_output_handler(
+    llm, embedded, solo, monkeypatch, caplog
+):
+    from epikv.vllm.metrics import Latest
+
+    def broken(self, outputs, running):
+        raise RuntimeError("a bookkeeping fault for the test")
+
+    monkeypatch.setattr(Latest, "see", broken)
+    out = generate(llm, embedded["prompts"][:2], 80)  # vLLM's output handler would die of a raise
+    monkeypatch.undo()
+    assert tokens(out) == solo[:2] and all(o.kv_transfer_params is not None for o in out)
+    assert "epikv: reading a step's counters failed and was skipped" in caplog.text
+    assert tokens(generate(llm, embedded["prompts"][:1], 80)) == solo[:1]
+    assert_nothing_left(llm)
+
+
 def failing_decode_compaction(state, monkeypatch, when):
     """The policy's scoring raises in a decode step's compaction whenever ``when(view)``; returns each
     decode call's (rows' prompt lengths, budget, step: tokens decoded by its first row)."""

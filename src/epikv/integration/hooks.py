@@ -18,11 +18,12 @@ from torch import nn
 
 from epikv.cache import BudgetedCache
 from epikv.integration import kernels, masks
-from epikv.integration.arch import base_model, check_supported, decoder_layers, model_info, text_config
+from epikv.integration.arch import check_supported, decoder_layers, model_info
 from epikv.integration.arch import project_queries as _project_queries
 from epikv.integration.attention import AttentionCapture
 from epikv.policies import Policy
 from epikv.policies.base import StepSignals
+from epikv.querypath import base_model, text_config
 from epikv.spec import CacheSpec
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
-from epikv.integration.arch import text_config
+from epikv.querypath import text_config
 
 MASKED = ("sdpa", "eager", "epikv_sdpa")
 """Attention implementations whose masks are materialised (flash attention takes only padding)."""

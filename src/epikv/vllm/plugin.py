@@ -19,9 +19,26 @@ Without that key nothing changes.
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
+log = logging.getLogger(__name__)
 _DONE = False
+_GUARD_LOGGED: set[str] = set()
+
+
+def _guard(what: str, call: Callable[[], Any]) -> Any:
+    """Run epikv's own bookkeeping inside a path of vLLM's front end: an exception is logged (once
+    per kind) and dropped, never raised into vLLM's output handler, where it would end the engine for
+    every client (``EngineDeadError``). What it would have added (a counter, a line) is skipped."""
+    try:
+        return call()
+    except Exception:
+        if what not in _GUARD_LOGGED:
+            _GUARD_LOGGED.add(what)
+            log.exception("epikv: %s failed and was skipped (vLLM serves on; logged once)", what)
+        return None
 
 
 def register() -> None:
@@ -171,7 +188,7 @@ def _wrap_outputs() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    from epikv.vllm.metrics import Latest, with_choices
+    from epikv.vllm.metrics import Latest
 
     for engine in (AsyncLLM, LLMEngine):
         _after_init(engine, Latest)
@@ -182,18 +199,16 @@ def _wrap_outputs() -> None:
     def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
         latest = getattr(self, "epikv_latest", None)
         if latest is not None:
-            latest.see(engine_core_outputs, self.request_states)
-            for out in engine_core_outputs:  # n > 1: the parent's output carries every child's
-                state = self.request_states.get(out.request_id)
-                if state is not None and state.parent_req is not None and out.kv_transfer_params:
-                    out.kv_transfer_params = with_choices(state, out.kv_transfer_params)
+            _guard("reading a step's counters", lambda: _see(self, latest, engine_core_outputs))
         return process(self, engine_core_outputs, *args, **kwargs)
 
     @functools.wraps(finished)
     def update_stats_from_finished(self: Any, req_state: Any, finish_reason: Any, *args: Any) -> Any:
         latest = getattr(self, "epikv_latest", None)
         if latest is not None:
-            latest.finished(req_state.request_id, finish_reason)
+            _guard(
+                "counting a finished request", lambda: latest.finished(req_state.request_id, finish_reason)
+            )
         return finished(self, req_state, finish_reason, *args)
 
     @functools.wraps(abort)
@@ -207,12 +222,23 @@ def _wrap_outputs() -> None:
         finally:
             latest.aborting = False
         for req_id in aborted:
-            latest.finished(req_id, None)
+            _guard("counting an aborted request", lambda r=req_id: latest.finished(r, None))
         return aborted
 
     OutputProcessor.process_outputs = process_outputs  # type: ignore[method-assign]
     OutputProcessor._update_stats_from_finished = update_stats_from_finished  # type: ignore[method-assign]
     OutputProcessor.abort_requests = abort_requests  # type: ignore[method-assign]
+
+
+def _see(processor: Any, latest: Any, outputs: Any) -> None:
+    """A step's counters into ``latest``; a child's (n > 1) onto its output with its siblings'."""
+    from epikv.vllm.metrics import with_choices
+
+    latest.see(outputs, processor.request_states)
+    for out in outputs:
+        state = processor.request_states.get(out.request_id)
+        if state is not None and state.parent_req is not None and out.kv_transfer_params:
+            out.kv_transfer_params = with_choices(state, out.kv_transfer_params)
 
 
 def _after_init(engine: type, latest: type) -> None:
@@ -258,7 +284,11 @@ def _wrap_errors() -> None:
     def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
         if finish_reason == "error":
             latest = getattr(getattr(self.engine_client, "output_processor", None), "epikv_latest", None)
-            message = latest.error_of(request_id) if latest is not None else None
+            message = (
+                _guard("finding a failed request's line", lambda: latest.error_of(request_id))
+                if latest
+                else None
+            )
             if message is not None:
                 raise GenerationError(message)
         raise_if_error(self, finish_reason, request_id)
@@ -304,12 +334,19 @@ def _tap_stream(cls: Any, name: str, position: int, output_of: Any) -> None:
                 yield item
 
         args = (*args[:position], tap(), *args[position + 1 :])
+
+        def with_counters(chunk: str) -> str:
+            data = json.loads(chunk[len("data: ") :])
+            if any(c.get("finish_reason") for c in data.get("choices", ())):
+                data["kv_transfer_params"] = finished.popleft()
+                return f"data: {json.dumps(data)}\n\n"
+            return chunk
+
         async for chunk in stream(self, *args, **kwargs):
             if finished and chunk.startswith("data: {"):
-                data = json.loads(chunk[len("data: ") :])
-                if any(c.get("finish_reason") for c in data.get("choices", ())):
-                    data["kv_transfer_params"] = finished.popleft()
-                    chunk = f"data: {json.dumps(data)}\n\n"
+                chunk = (
+                    _guard("adding counters to a stream", functools.partial(with_counters, chunk)) or chunk
+                )
             yield chunk
 
     setattr(cls, name, wrapped)

@@ -8,7 +8,7 @@ one architecture table, :data:`epikv.archs.ARCHITECTURES`, that epikv's own engi
 rotary embedding is vLLM's module of that layer, so partial RoPE (Phi-3) and gpt-oss's half-width
 tables need nothing here. On vLLM's Transformers backend (OLMo-2, Seed-OSS, OLMo-3, SmolLM3) the
 modules are transformers' own, so after the fused projection the path is epikv's engine's
-(:func:`epikv.integration.arch.shape_queries`: per-layer-kind tables and NoPE layers included).
+(:func:`epikv.querypath.shape_queries`: per-layer-kind tables and NoPE layers included).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _transformers_backend(
     """vLLM's Transformers backend runs transformers' own modules (``model.model``) with q, k and v
     fused into one ``qkv_proj``: its q slice, then epikv's engine's query path on those modules (the
     query norm, the model's rotary tables of the layer's kind, RoPE where the layer applies it)."""
-    from epikv.integration.arch import rope_tables, shape_queries
+    from epikv.querypath import rope_tables, shape_queries
 
     facts = ARCHITECTURES[model_type]
     inner = model.model

@@ -214,7 +214,7 @@ class EpiKVCPUWorker(CPUWorker):
     runner inline, so the runner class is swapped for the duration of that one call."""
 
     def init_device(self) -> None:
-        if getattr(self, "use_v2_model_runner", False):
+        if self.use_v2_model_runner:  # read, not probed: a rename fails loudly here (pins.INIT_ATTRS)
             raise Refused("epikv: vLLM's V2 model runner is not supported; set VLLM_USE_V2_MODEL_RUNNER=0")
         with mock.patch.object(cpu_worker, "CPUModelRunner", EpiKVCPURunner):
             super().init_device()
