@@ -9,8 +9,10 @@ prompt ids, cap and stop ids are the study's own (:mod:`epikv.bench.loops.study`
 the fingerprints of the engine's stored parts; all prompts of a cell go to one ``llm.generate``
 call (greedy, float32, eager, in-process engine) in a fresh child process, and the cell's records
 are written to ``OUT/<cell>.json`` as soon as it completes (a rerun skips finished cells). Prompts
-the plugin's own request rule refuses (:func:`epikv.vllm.config.plan_request`) are skipped, and
-each one is then sent to vLLM alone to show that it refuses it too. Then ``OUT/compare.json``:
+the study skipped (the strict rule of comparisons at equal K: protected tokens past K,
+:meth:`epikv.spec.CacheSpec.check_prompt`) are skipped here too, and each one is then sent to vLLM
+alone to record what it does with it (it refused them until issue 42 item 0; it now runs them at
+the smallest K that holds them). Then ``OUT/compare.json``:
 problem by problem against the engine's record (identical token ids, first divergence), and the
 study's loop detectors and paired statistics (:mod:`epikv.bench.loops.summary`) over both.
 """
@@ -93,7 +95,7 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
 
     import epikv.vllm
     from epikv.models.embedded import embedded_cache_folder
-    from epikv.vllm.config import plan_request
+    from epikv.vllm.config import plan_request  # the plugin's rule, after the study's strict one
 
     policy, budget, default_seqs = CELLS[cell]
     max_num_seqs = max_num_seqs or default_seqs
@@ -120,6 +122,7 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
     refused: dict[int, str] = {}
     for n, (_, _, _, p) in enumerate(problems):
         try:
+            spec.check_prompt(len(p.prompt))
             plan_request(spec, len(p.prompt), inputs["max_new_tokens"], None)
         except ValueError as err:
             refused[n] = str(err)
@@ -203,7 +206,7 @@ def graded(result: dict[str, Any], problem: Any, tokenizer: Any) -> dict[str, An
 
 
 def refusal(llm: Any, prompt: tuple[int, ...], params: Any) -> str:
-    """What vLLM itself does with a prompt the request rule refuses, sent alone."""
+    """What vLLM itself does with a prompt the study skipped, sent alone."""
     from vllm.inputs import TokensPrompt
 
     try:

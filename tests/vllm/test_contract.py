@@ -14,8 +14,9 @@ from vllm.platforms import current_platform
 import epikv.vllm
 from epikv.policies.base import ModelInfo
 from epikv.vllm import pins
-from epikv.vllm.config import QUERY_MODELS, EpiKVSettings, Refused, check_engine
+from epikv.vllm.config import EpiKVSettings, Refused
 from epikv.vllm.plugin import register
+from epikv.vllm.refusals import QUERY_MODELS, check_engine
 
 register()  # as vLLM does in every process: the wrapped methods must still show vLLM's signatures
 

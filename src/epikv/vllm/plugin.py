@@ -82,7 +82,8 @@ def _settings(vllm_config: Any) -> Any:
 
 
 def _check(settings: Any, vllm_config: Any) -> None:
-    from epikv.vllm.config import SCHEDULER, WORKER, Refused, check_engine, model_info
+    from epikv.vllm.config import SCHEDULER, WORKER, Refused, model_info
+    from epikv.vllm.refusals import check_engine
 
     check_engine(vllm_config, settings.spec(model_info(vllm_config)))
     worker = vllm_config.parallel_config.worker_cls

@@ -28,9 +28,10 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from epikv.vllm.compaction import HeadShards, SlotStore
-from epikv.vllm.config import EpiKVSettings, Refused, check_engine, model_info
+from epikv.vllm.config import EpiKVSettings, Refused, model_info
 from epikv.vllm.paged import PagedKV, probe_layout
 from epikv.vllm.queries import query_projector
+from epikv.vllm.refusals import check_engine
 from epikv.vllm.scheduler import EpiKVAttentionSpec, capped_spec, register_spec
 from epikv.vllm.step import EpiKVWorkerState, NewRequest, StepBatch
 
