@@ -22,8 +22,15 @@ METHODS: dict[str, dict[str, list[str]]] = {
         "_get_eagle3_aux_layers_from_config": ["self"],
     },
     "vllm.v1.worker.cpu_worker:CPUWorker": {"init_device": ["self"]},
-    "vllm.v1.worker.block_table:MultiGroupBlockTable": {
+    # called on the evicting group's own table (runner: slots from physical positions); retire when
+    # vLLM's block table can take per-row position offsets
+    "vllm.v1.worker.block_table:BlockTable": {
         "compute_slot_mapping": ["self", "num_reqs", "query_start_loc", "positions"],
+    },
+    # wrapped on each builder of the evicting group (runner._physical_lengths: attention lengths are
+    # physical there, logical in a hybrid's sliding groups); a drift here is silently wrong attention
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder": {
+        "build": ["self", "common_prefix_len", "common_attn_metadata"],
     },
     "vllm.v1.core.sched.scheduler:Scheduler": {
         "__init__": ["self", "vllm_config", "kv_cache_config"],
@@ -117,6 +124,7 @@ FIELDS: dict[str, set[str]] = {
     "vllm.v1.engine:EngineCoreOutputs": {"outputs"},
     "vllm.v1.worker.gpu_model_runner:ExecuteModelState": {"aux_hidden_states"},
     "vllm.config.cache:CacheConfig": {"num_gpu_blocks", "block_size"},  # the front end's pool
+    "vllm.v1.attention.backend:CommonAttentionMetadata": {"seq_lens"},  # made physical per group
 }
 
 # attributes of live objects (checked on a running engine): the runner, its input batch, the
