@@ -86,6 +86,23 @@ def test_requests_joining_and_aborted_mid_run_leave_the_others_their_solo_tokens
     assert_nothing_left(llm)
 
 
+def test_a_row_that_would_pass_its_cap_in_a_live_engine_fails_alone(llm, embedded, solo):
+    """The worker's last guard (issue 42 item 6): a row whose next tokens would pass its cap has them
+    written nowhere and fails alone; here its cap is lowered by hand after a few steps."""
+    p, records = embedded["prompts"], worker_state(llm).requests.records
+
+    def shrink(step):
+        if step == 5:
+            internal = next(r for r in records if r.startswith("b-"))
+            records[internal].cap = 10  # it holds more than that already
+
+    done = drive(llm, {0: [("a", p[0], params(80)), ("b", p[1], params(80))]}, on_step=shrink)
+    assert done["b"].outputs[0].finish_reason == "error"
+    assert "past its cap of 10" in done["b"].kv_transfer_params["epikv"]["error"]
+    assert list(done["a"].outputs[0].token_ids) == solo[0]
+    assert_nothing_left(llm)
+
+
 def test_a_forced_preemption_fails_the_running_requests_alone_and_the_engine_serves_on(llm, embedded, solo):
     p = embedded["prompts"]
 
