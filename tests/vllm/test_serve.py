@@ -93,6 +93,26 @@ def test_a_streamed_completion_carries_its_counters(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
 
 
+def test_a_streamed_chat_with_n_choices_carries_every_choices_counters_once(server):
+    """n > 1 (sampled: vLLM refuses n > 1 with greedy), under eviction: the chunk that finishes the
+    last choice carries every choice's counters (``epikv_choices``), as the non-streamed response
+    does; the other choice's finishing chunk carries none (its request has not finished)."""
+    ask = [{"role": "user", "content": "Explain how a rainbow forms, step by step."}]
+    body = {"model": "smollm2", "max_tokens": 160, "temperature": 0.8, "seed": 1, "ignore_eos": True,
+            "n": 2, "messages": ask}  # fmt: skip
+    plain = httpx.post(server + "/v1/chat/completions", json=body, timeout=300).json()
+    choices = plain["kv_transfer_params"]["epikv_choices"]
+    assert len(choices) == 2 and all(c["evictions"] > 0 for c in choices)
+    with httpx.stream(
+        "POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finishing = [c for c in chunks if any(ch.get("finish_reason") for ch in c["choices"])]
+    assert sorted(ch["index"] for c in finishing for ch in c["choices"] if ch.get("finish_reason")) == [0, 1]
+    assert ["kv_transfer_params" in c for c in finishing] == [False, True]
+    assert finishing[-1]["kv_transfer_params"]["epikv_choices"] == choices  # lengths fix the counters
+
+
 def test_a_shared_system_prompt_hits_the_prefix_cache_with_the_same_tokens(server):
     system = "You are a careful assistant. " * 10  # two full blocks of 32; Seg-Q@128 protects it
     ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime."}]
