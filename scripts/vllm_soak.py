@@ -2,11 +2,13 @@
 
   .venv-vllm/bin/python scripts/vllm_soak.py --out docs/results/vllm/soak.json
 
-Starts ``python -m vllm.entrypoints.openai.api_server`` (the embedded model, ``streaming`` at K = 96, a
-pool of ``--blocks`` blocks) and sends equal bursts of concurrent chats reserving about twice the pool:
-plain, streamed, leaving mid-stream, stop strings, per-request budgets, bad budgets, long prompts. After
-each burst: RSS of the server and its children, ``/metrics``; at the end a chat and ``/health``. One JSON
-record, nothing asserted; the server always stopped, the run bounded by ``--time-limit`` seconds.
+Starts ``python -m vllm.entrypoints.openai.api_server`` (the embedded model, ``--policy`` at K = 96,
+default ``streaming``, a pool of ``--blocks`` blocks; eager without prefix caching unless
+``--compiled`` and ``--prefix-caching``, which needs a policy that protects the prompt, e.g.
+``epikv``) and sends equal bursts of concurrent chats reserving about twice the pool: plain,
+streamed, leaving mid-stream, stop strings, per-request budgets, bad budgets, long prompts. After
+each burst: RSS of the server and its children, ``/metrics``; at the end a chat and ``/health``. One
+JSON record, nothing asserted; the server always stopped, the run bounded by ``--time-limit`` seconds.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-from epikv.policies import get_policy
+from epikv.spec import CacheSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2"
 BLOCK = 32
 FP32_TOKEN_BYTES = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K + V) x 4 bytes
-POLICY, BUDGET, REQUEST_BUDGET, BAD_BUDGET = "streaming", 96, 48, 100_000
+BUDGET, REQUEST_BUDGET, BAD_BUDGET = 96, 48, 100_000
 METRICS = (
     "epikv:requests_total vllm:request_success_total epikv:requests_aborted_total epikv:evicted_tokens_total "
     "epikv:compactions_total epikv:peak_cache_tokens_count vllm:num_preemptions_total "
@@ -80,15 +82,31 @@ def embedded_folder() -> str:
     return json.loads(line[len("REFERENCE ") :])["folder"]
 
 
-def server_command(folder: str, port: int, blocks: int) -> list[str]:
+def server_command(folder: str, port: int, args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        *([] if args.compiled else ["--enforce-eager"]),
         "--max-model-len", "4096", "--served-model-name", MODEL, "--block-size", str(BLOCK),
-        "--kv-cache-memory-bytes", str(blocks * BLOCK * FP32_TOKEN_BYTES), "--seed", "0",
-        "--no-enable-prefix-caching",
-        "--additional-config", json.dumps({"epikv": {"policy": POLICY, "budget": BUDGET}}),
+        "--kv-cache-memory-bytes", str(args.blocks * BLOCK * FP32_TOKEN_BYTES), "--seed", "0",
+        "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
+        "--additional-config", json.dumps({"epikv": settings(args)}),
     ]  # fmt: skip
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The plugin's settings (``additional_config["epikv"]``): policy, K, and ``--interval`` if given."""
+    return {"policy": args.policy, "budget": BUDGET, **({"interval": args.interval} if args.interval else {})}
+
+
+def server_spec(folder: str, args: argparse.Namespace) -> CacheSpec:
+    """The server's run spec, built as the plugin builds it (its caps are the soak's bounds)."""
+    from transformers import AutoConfig
+
+    from epikv.vllm.config import EpiKVSettings, hf_model_info
+
+    model = hf_model_info(AutoConfig.from_pretrained(folder), "smollm2-135m")
+    return EpiKVSettings.from_config({"epikv": settings(args)}).spec(model)
 
 
 def wait_ready(base: str, proc: subprocess.Popen, seconds: float) -> float:
@@ -206,10 +224,10 @@ async def burst(base: str, clients: int, timeout: float) -> list[dict]:
         return await asyncio.gather(*(client(http, base, i, timeout) for i in range(clients)))
 
 
-def burst_load(base: str, clients: int, tau: int) -> tuple[dict[str, int], int]:
+def burst_load(base: str, clients: int, spec: CacheSpec) -> tuple[dict[str, int], int]:
     """Each prompt's tokens (the server's own ``/tokenize``, chat template included), and the blocks one
-    burst reserves in all: min(cap, P + max_tokens) each, cap = max(P, K + tau) under ``streaming``
-    (docs/vllm.md); none for a request the front end refuses."""
+    burst reserves in all: min(cap, P + max_tokens) each (``CacheSpec.cap_tokens``, docs/vllm.md); none
+    for a request the front end refuses."""
     prompts = {}
     for text in [*TEXTS, LONG_TEXT]:
         ask = {"model": MODEL, "messages": [{"role": "user", "content": text}], "add_generation_prompt": True}
@@ -218,11 +236,11 @@ def burst_load(base: str, clients: int, tau: int) -> tuple[dict[str, int], int]:
     for i in range(clients):
         job, _, expect_400 = body(PATTERN[i % len(PATTERN)], i)
         k, p = job.get("vllm_xargs", {}).get("epikv_budget", BUDGET), prompts[job["messages"][0]["content"]]
-        blocks += 0 if expect_400 else math.ceil(min(max(p, k + tau), p + job["max_tokens"]) / BLOCK)
+        blocks += 0 if expect_400 else math.ceil(min(spec.cap_tokens(p, k), p + job["max_tokens"]) / BLOCK)
     return prompts, blocks
 
 
-def summarize(records: list[dict], tau: int) -> dict:
+def summarize(records: list[dict], spec: CacheSpec) -> dict:
     """Outcome counts, by kind, finish reasons, and each completed request's peak against its cap."""
     done = [(r, r.get("epikv") or {}) for r in records if r["outcome"] == "completed"]
     bounded = [(r, s) for r, s in done if r.get("prompt_tokens") and "budget" in s]
@@ -234,7 +252,7 @@ def summarize(records: list[dict], tau: int) -> dict:
         "completed_over_cap": [
             r["client"]
             for r, s in bounded
-            if s["peak_cache_tokens"] > max(r["prompt_tokens"], s["budget"] + tau)
+            if s["peak_cache_tokens"] > spec.cap_tokens(r["prompt_tokens"], s["budget"])
         ],
         "long_prompt_tokens_and_peak": [
             (r["prompt_tokens"], s.get("peak_cache_tokens")) for r, s in done if r["kind"].startswith("long")
@@ -300,8 +318,9 @@ def soak(args: argparse.Namespace, record: dict, proc: subprocess.Popen, base: s
     """The bursts, each followed by a sample of RSS and metrics, then the final check."""
     deadline = time.monotonic() + args.time_limit - 120  # leaves time to check, stop and write
     record["startup_seconds"] = wait_ready(base, proc, min(300.0, deadline - time.monotonic()))
-    tau = record["config"]["tau"] = get_policy(POLICY).interval  # the server's: no interval given
-    record["prompt_tokens"], record["config"]["burst_reserved_blocks"] = burst_load(base, args.clients, tau)
+    spec = server_spec(record["config"]["command"][4], args)
+    record["config"]["tau"] = spec.interval
+    record["prompt_tokens"], record["config"]["burst_reserved_blocks"] = burst_load(base, args.clients, spec)
     record["idle"] = {"rss": rss(proc.pid), "metrics": metrics(base)}
     children = record["idle"]["rss"]["children"]
     for n in range(args.bursts):
@@ -316,7 +335,7 @@ def soak(args: argparse.Namespace, record: dict, proc: subprocess.Popen, base: s
         alive = proc.poll() is None
         sample = {"rss": rss(proc.pid), "metrics": metrics(base)} if alive else {"rss": None, "metrics": None}
         same = alive and sample["rss"]["children"] == children  # the engine core was not restarted
-        summary = summarize(records, tau)
+        summary = summarize(records, spec)
         state = {"server_alive": alive, "children_unchanged": same, **sample}
         record["bursts"].append({"seconds": seconds, **summary, **state, "clients": records})
         mib = sample["rss"]["total_mib"] if alive else None
@@ -347,7 +366,7 @@ def targets(record: dict) -> dict:
 
 def config(args: argparse.Namespace, command: list[str]) -> dict:
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    budgets = {"policy": POLICY, "budget": BUDGET, "request_budget": REQUEST_BUDGET, "bad_budget": BAD_BUDGET}
+    budgets = {"budget": BUDGET, "request_budget": REQUEST_BUDGET, "bad_budget": BAD_BUDGET}
     pool = {"block_size": BLOCK, "pool_tokens": args.blocks * BLOCK}  # its bytes: --kv-cache-memory-bytes
     return {"command": command, **budgets, **pool, **options, "kinds": KINDS, "pattern": PATTERN}
 
@@ -361,6 +380,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=40, help="the KV pool, in blocks of 32 tokens")
     parser.add_argument("--client-timeout", type=float, default=300.0)
     parser.add_argument("--time-limit", type=float, default=900.0, help="for the whole run, seconds")
+    parser.add_argument("--policy", default="streaming", help="the server's policy (K = 96)")
+    parser.add_argument("--interval", type=int, default=None, help="the policy's tau (default: its own)")
+    parser.add_argument("--compiled", action="store_true", help="vLLM's default compiled mode, not eager")
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="prefix caching on (a policy that protects the prompt)"
+    )
     args = parser.parse_args()
 
     def out_of_time(*_: object) -> None:
@@ -371,7 +396,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = server_command(embedded_folder(), port, args.blocks)
+    command = server_command(embedded_folder(), port, args)
     record: dict = {"config": config(args, command), "machine": machine(), "uptime_before": uptime()}
     record["bursts"] = []
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would set the pool
