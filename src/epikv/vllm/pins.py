@@ -10,7 +10,11 @@ from __future__ import annotations
 VLLM_SERIES = "0.32."  # the private runner and scheduler methods overridden are pinned to this series
 
 # class (module:qualname) -> {method: the leading parameters the override or wrapper relies on}
+# Each entry says why the plugin touches it and what would retire it.
 METHODS: dict[str, dict[str, list[str]]] = {
+    # the runner (runner.EpiKVRunnerMixin): the capped KV spec, the worker's books per request, physical
+    # slots before the forward, observe/compact after it; retire when vLLM has a KV-eviction hook in
+    # its runner (a per-request "compact" step between forwards)
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner": {
         "__init__": ["self", "vllm_config", "device"],
         "_update_states": ["self", "scheduler_output"],
@@ -21,6 +25,7 @@ METHODS: dict[str, dict[str, list[str]]] = {
         "initialize_kv_cache": ["self", "kv_cache_config"],
         "_get_eagle3_aux_layers_from_config": ["self"],
     },
+    # the worker builds its runner inline: swapped for that one call; retire with a runner-class option
     "vllm.v1.worker.cpu_worker:CPUWorker": {"init_device": ["self"]},
     # called on the evicting group's own table (runner: slots from physical positions); retire when
     # vLLM's block table can take per-row position offsets
@@ -32,6 +37,8 @@ METHODS: dict[str, dict[str, list[str]]] = {
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder": {
         "build": ["self", "common_prefix_len", "common_attn_metadata"],
     },
+    # admission by reservation, per-request plans, faults failing alone, counters on outputs
+    # (scheduler.EpiKVScheduler); retire when vLLM's scheduler takes a per-request token cap
     "vllm.v1.core.sched.scheduler:Scheduler": {
         "__init__": ["self", "vllm_config", "kv_cache_config"],
         "add_request": ["self", "request"],
@@ -40,21 +47,29 @@ METHODS: dict[str, dict[str, list[str]]] = {
         "_free_request": ["self", "request", "delay_free_blocks"],
         "finish_requests": ["self", "request_ids", "finished_status"],
     },
+    # all of a request's reserved blocks at its first allocation, never more; only prompt blocks cached
+    # (scheduler.EpiKVAttentionManager, registered through vLLM's KV-cache-spec registry)
     "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager": {
         "get_num_blocks_to_allocate": ["self", "request_id", "num_tokens"],
         "allocate_new_blocks": ["self", "request_id", "num_tokens", "num_tokens_main_model"],
         "cache_blocks": ["self", "request", "num_tokens"],
     },
+    # the front end's 400s (plugin._wrap_inputs); retire when vLLM validates extra_args by plugin
     "vllm.v1.engine.input_processor:InputProcessor": {"process_inputs": ["self"]},
+    # per-request counters into Prometheus metrics and failed requests' lines (plugin._wrap_outputs)
     "vllm.v1.engine.output_processor:OutputProcessor": {
         "process_outputs": ["self", "engine_core_outputs"],
         "_update_stats_from_finished": ["self", "req_state", "finish_reason"],
         "abort_requests": ["self", "request_ids", "internal"],
     },
+    # give each engine's output processor its counters, its input processor the pool (plugin._after_init)
     "vllm.v1.engine.async_llm:AsyncLLM": {"__init__": ["self", "vllm_config"]},
     "vllm.v1.engine.llm_engine:LLMEngine": {"__init__": ["self", "vllm_config"]},
+    # beam search refused per request (each beam step re-prefills: nothing would be evicted)
     "vllm.entrypoints.generate.beam_search.offline:BeamSearchOfflineMixin": {"beam_search": ["self"]},
     "vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin": {"beam_search": ["self"]},
+    # the streamed chat's and completion's finishing chunk carries the counters (plugin._tap_stream);
+    # retire when vLLM streams kv_transfer_params itself
     "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat": {
         "chat_completion_stream_generator": ["self", "request", "result_generator"],
     },
