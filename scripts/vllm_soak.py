@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -32,16 +31,14 @@ import psutil
 
 from epikv.spec import CacheSpec
 
+sys.path.insert(0, str(Path(__file__).parent))
+from soak_probes import log_facts, machine, metrics, rss, uptime
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2"
 BLOCK = 32
 FP32_TOKEN_BYTES = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K + V) x 4 bytes
 BUDGET, REQUEST_BUDGET, BAD_BUDGET = 96, 48, 100_000
-METRICS = (
-    "epikv:requests_total vllm:request_success_total epikv:requests_aborted_total epikv:evicted_tokens_total "
-    "epikv:compactions_total epikv:peak_cache_tokens_count vllm:num_preemptions_total "
-    "vllm:request_queue_time_seconds_sum vllm:request_queue_time_seconds_count"
-).split()  # each summed over its labels
 TEXTS = [  # the stop-string clients ask the first: its answer runs past a newline
     "Explain how a rainbow forms, step by step.",
     "What is 17 * 23? Think step by step.",
@@ -67,11 +64,6 @@ PATTERN = (  # one burst of 20 (client i is PATTERN[i % 20]): 18 run, 2 are refu
     "plain stream leave long budget plain stream stop bad_budget stream leave budget plain long_stream "
     "stop_stream stream leave budget_stream plain bad_budget"
 ).split()
-LOG_FACTS = {  # vLLM's pool line: its "tokens" are its concurrency x max_model_len, not the pool's size
-    "kv_cache_log": r"(KV cache size: [\d,]+ tokens, Maximum concurrency .*x)",
-    "requests_at_once_log": r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
-}
-PROBLEM = re.compile(r"ERROR|Traceback|EngineDead|epikv: request|died|Killed")
 
 
 def embedded_folder() -> str:
@@ -261,29 +253,6 @@ def summarize(records: list[dict], spec: CacheSpec) -> dict:
     }
 
 
-def rss(pid: int) -> dict:
-    """Resident memory of the server and each of its children (the engine core among them), MiB."""
-    parent = psutil.Process(pid)
-    children = parent.children(recursive=True)
-    each = {}
-    for p in [parent, *children]:
-        try:
-            each[f"{p.pid} {p.name()}"] = round(p.memory_info().rss / 2**20, 1)
-        except psutil.Error:
-            continue
-    pids = sorted(c.pid for c in children)
-    return {"total_mib": round(sum(each.values()), 1), "processes": each, "children": pids}
-
-
-def metrics(base: str) -> dict:
-    """Each metric of METRICS, summed over its labels."""
-    lines = httpx.get(base + "/metrics", timeout=30).text.splitlines()
-    return {
-        name: sum(float(x.split()[-1]) for x in lines if x.startswith(name + "{") or x.startswith(name + " "))
-        for name in METRICS
-    }
-
-
 def final_check(base: str) -> dict:
     hello = [{"role": "user", "content": "Hi!"}]
     ask = {"model": MODEL, "max_tokens": 16, "temperature": 0, "messages": hello}
@@ -294,24 +263,6 @@ def final_check(base: str) -> dict:
         return {"chat_status": reply.status_code, "chat_answer": answer, "health_status": health}
     except (httpx.HTTPError, KeyError, ValueError) as err:
         return {"error": f"{type(err).__name__}: {err}"[:300]}
-
-
-def machine() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    field = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in lscpu.splitlines())}
-    return {"cpu_model": field.get("Model name"), "cpu_flags": field.get("Flags"), "cpus": os.cpu_count()}
-
-
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
-
-def log_facts(log: Path) -> dict:
-    """The pool, vLLM's concurrency and the cap as the server's log gives them, and its problem lines."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    facts = {k: (m.group(1) if (m := re.search(p, text)) else None) for k, p in LOG_FACTS.items()}
-    problems = [x[:300] for x in text.splitlines() if PROBLEM.search(x)]
-    return {**facts, "problem_lines": len(problems), "problem_lines_first": problems[:20]}
 
 
 def soak(args: argparse.Namespace, record: dict, proc: subprocess.Popen, base: str) -> None:
