@@ -142,3 +142,14 @@ def test_status_counts_what_a_folder_holds_and_estimates_from_measured_speed(tmp
     # 6 problems x 20 tokens (full's mean) at 20 tok/s (the engine's measured speed) = 6 s
     assert estimate_minutes(other, [full, other]) == pytest.approx(0.1)
     assert estimate_minutes(full, [full, other]) == pytest.approx(round(2 * 20 / 20 / 60, 1))
+
+
+def test_a_cell_with_only_skips_so_far_is_a_row_of_dashes():
+    from epikv.bench.accuracy.report import cells_table
+
+    row = {"engine": "epikv", "tau": None, "done": 0, "of": 128, "skipped": 1, "correct": None,
+           "cap_hit": None, "loop": None, "near_loop": None, "evicted": None, "mean_tokens": None,
+           "mean_peak_cache": None, "tokens_per_s": None}  # fmt: skip
+    line = cells_table({"gsm8k/epikv@K192 [engine]": row})[-1]
+    assert line.startswith("| gsm8k/epikv@K192 [engine] | epikv | – | 0 / 128 | 1 |")
+    assert line.endswith("| – | – | – |")

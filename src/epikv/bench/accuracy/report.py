@@ -36,10 +36,15 @@ def cells_table(cells: dict[str, Any]) -> list[str]:
             f"| {name} | {row['engine']} | {row['tau'] if row['tau'] is not None else '–'} | "
             f"{row['done']} / {row['of']} | {row['skipped']} | {_pct(row['correct'], True)} | "
             f"{_pct(row['cap_hit'])} | {_pct(row['loop'])} / {_pct(row['near_loop'])} | "
-            f"{_pct(row['evicted'])} | "
-            f"{row['mean_tokens']:.0f} | {row['mean_peak_cache']:.0f} | {row['tokens_per_s'] or 0:.1f} |"
+            f"{_pct(row['evicted'])} | {_num(row['mean_tokens'])} | "
+            f"{_num(row['mean_peak_cache'])} | {_num(row['tokens_per_s'], '.1f')} |"
         )
     return lines
+
+
+def _num(value: float | None, spec: str = ".0f") -> str:
+    """A mean, or a dash for a cell with nothing generated yet (only skips so far)."""
+    return "–" if value is None else format(value, spec)
 
 
 def level_tables(title: str, level: dict[str, Any]) -> list[str]:
