@@ -207,9 +207,8 @@ def _wrap_outputs() -> None:
     def update_stats_from_finished(self: Any, req_state: Any, finish_reason: Any, *args: Any) -> Any:
         latest = getattr(self, "epikv_latest", None)
         if latest is not None:
-            _guard(
-                "counting a finished request", lambda: latest.finished(req_state.request_id, finish_reason)
-            )
+            count = functools.partial(latest.finished, req_state.request_id, finish_reason)
+            _guard("counting a finished request", count)
         return finished(self, req_state, finish_reason, *args)
 
     @functools.wraps(abort)
@@ -285,11 +284,8 @@ def _wrap_errors() -> None:
     def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
         if finish_reason == "error":
             latest = getattr(getattr(self.engine_client, "output_processor", None), "epikv_latest", None)
-            message = (
-                _guard("finding a failed request's line", lambda: latest.error_of(request_id))
-                if latest
-                else None
-            )
+            find = functools.partial(latest.error_of, request_id) if latest is not None else None
+            message = _guard("finding a failed request's line", find) if find is not None else None
             if message is not None:
                 raise GenerationError(message)
         raise_if_error(self, finish_reason, request_id)
