@@ -18,7 +18,7 @@ import torch
 
 from epikv.policies.base import ModelInfo
 from epikv.policies.registry import policy_class
-from epikv.vllm.compaction import SlotStore
+from epikv.vllm.compaction import HeadShards, SlotStore
 from epikv.vllm.config import BUDGET_ARG, EpiKVSettings
 from epikv.vllm.paged import PagedKV, PageLayout
 from epikv.vllm.step import EpiKVWorkerState, NewRequest, StepBatch
@@ -36,17 +36,22 @@ def kv(request: str, position: int) -> torch.Tensor:
     return torch.randn(MODEL.num_layers, h, 2 * d, generator=torch.Generator().manual_seed(seed))
 
 
-def run(policy: str, trace: Path, budgets: dict[str, int] | None = None) -> dict[str, Any]:
+def run(
+    policy: str, trace: Path, budgets: dict[str, int] | None = None, shards: HeadShards | None = None
+) -> dict[str, Any]:
     """Prefill every request, then STEPS decode steps; what each request holds at the end, by true
-    position (keys and values), its last counters, its fault line, and its trace lines."""
+    position (keys and values), its last counters, its fault line, and its trace lines. With
+    ``shards`` (tensor parallelism) the pool holds heads ``shards.lo..hi-1`` only."""
     settings = EpiKVSettings(policy, K, trace=str(trace))
     state = EpiKVWorkerState(settings, settings.spec(MODEL), MODEL)
     ids = list(PROMPTS)
-    h, d = MODEL.num_kv_heads, MODEL.head_dim
+    lo, hi = (0, MODEL.num_kv_heads) if shards is None else (shards.lo, shards.hi)
+    h, d = hi - lo, MODEL.head_dim
     pages = torch.zeros(MODEL.num_layers, len(ids) * BLOCKS_PER_ROW, h, B, 2 * d)
     half = torch.arange(B)[:, None] * d + torch.arange(d)
     paged = PagedKV(list(pages), PageLayout(half, B * d + half))  # row-major keys, then values
     state.store, state.block_size = SlotStore(paged, state.spec, MODEL, pages.shape[1] * B), B
+    state.store.shards = shards
     blocks = {r: list(range(i * BLOCKS_PER_ROW, (i + 1) * BLOCKS_PER_ROW)) for i, r in enumerate(ids)}
     extra = {r: {BUDGET_ARG: k} for r, k in (budgets or {}).items()}
     state.after_update([NewRequest(r, p, 0, STEPS + 1, extra.get(r)) for r, p in PROMPTS.items()])
@@ -55,6 +60,8 @@ def run(policy: str, trace: Path, budgets: dict[str, int] | None = None) -> dict
     assert faults == {}
     for _ in range(STEPS + 1):
         live = [r for r in ids if r not in faults]
+        if not live:
+            break
         scheduled = np.array([PROMPTS[r] if computed[r] == 0 else 1 for r in live])
         starts = np.concatenate([[0], np.cumsum(scheduled)])
         positions = torch.cat(
@@ -71,7 +78,7 @@ def run(policy: str, trace: Path, budgets: dict[str, int] | None = None) -> dict
             for pos in range(computed[r], computed[r] + int(scheduled[i])):
                 p = pos - int(dropped[i])
                 slot = blocks[r][p // B] * B + p % B
-                pages[:, slot // B, :, slot % B] = kv(r, pos)
+                pages[:, slot // B, :, slot % B] = kv(r, pos)[:, lo:hi]
                 slots.append(slot)
         batch.slots = torch.tensor(slots)
         state.after_forward(batch, None)

@@ -23,17 +23,66 @@ QueryProjector = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 _LAST = torch.iinfo(torch.int32).max
 
 
-@dataclass(frozen=True)
+class PeerFailed(RuntimeError):
+    """Another tensor-parallel rank failed the call this rank was in: every rank knows, and every rank
+    leaves it at the same collective (:meth:`HeadShards.together`)."""
+
+
+PEER_FAILED = "another tensor-parallel rank failed this call"
+
+
 class HeadShards:
     """Tensor parallelism: this rank's pages hold the model's KV heads ``lo..hi-1``. ``gather(t, dim)``
     joins every rank's heads of ``t`` along ``dim`` in rank order; ``share(t)`` gives every rank the
     first rank's ``t``. Policies score whole heads (K/V and queries gathered), so every rank scores
-    as one device would, and every rank keeps the first rank's choice: the same positions everywhere."""
+    as one device would, and every rank keeps the first rank's choice: the same positions everywhere.
 
-    lo: int
-    hi: int
-    gather: Callable[[torch.Tensor, int], torch.Tensor]
-    share: Callable[[torch.Tensor], torch.Tensor]
+    Agreement: ``union(flags)`` is the element-wise maximum of an int tensor over the ranks, and
+    ``objects(x)`` every rank's ``x`` in rank order. A call that holds collectives runs through
+    :meth:`together`: before each collective every rank votes, a rank that raises votes "failed" once
+    and leaves, and the others leave at that vote with :class:`PeerFailed`; at the end every rank votes
+    again. So no rank ever enters a collective another skips, and every rank gets the same verdict."""
+
+    def __init__(
+        self,
+        lo: int,
+        hi: int,
+        gather: Callable[[torch.Tensor, int], torch.Tensor],
+        share: Callable[[torch.Tensor], torch.Tensor],
+        union: Callable[[torch.Tensor], torch.Tensor],
+        objects: Callable[[Any], list[Any]],
+    ) -> None:
+        self.lo, self.hi = lo, hi
+        self._gather, self._share, self.union, self.objects = gather, share, union, objects
+
+    def failed_anywhere(self, failed: bool) -> bool:
+        """One vote: whether any rank says it failed (every rank gets the same answer)."""
+        return bool(self.union(torch.tensor([int(failed)], dtype=torch.int32))[0])
+
+    def _vote_ok(self) -> None:
+        if self.failed_anywhere(False):
+            raise PeerFailed(PEER_FAILED)
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        self._vote_ok()
+        return self._gather(t, dim)
+
+    def share(self, t: torch.Tensor) -> torch.Tensor:
+        self._vote_ok()
+        return self._share(t)
+
+    def together(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on every rank with one verdict: its result where it returned on every rank, else
+        an exception on every rank (this rank's own, or :class:`PeerFailed`)."""
+        try:
+            out = call()
+        except PeerFailed:
+            raise
+        except Exception:
+            self.failed_anywhere(True)  # the vote the others are waiting at
+            raise
+        self._vote_ok()
+        return out
 
 
 class SlotStore:

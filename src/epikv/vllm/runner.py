@@ -118,9 +118,7 @@ class EpiKVRunnerMixin:
             )  # type: ignore[attr-defined]
         tp = get_tp_group()
         if tp.world_size > 1:
-            lo = tp.rank_in_group * paged.num_heads
-            share = lambda t: tp.broadcast(t, 0)  # noqa: E731
-            store.shards = HeadShards(lo, lo + paged.num_heads, tp.all_gather, share)
+            store.shards = _head_shards(tp, paged.num_heads)
         self.epikv.store, self.epikv.block_size = store, block
 
     def _update_states(self, scheduler_output: Any) -> Any:
@@ -219,6 +217,24 @@ class EpiKVCPUWorker(CPUWorker):
             raise Refused("epikv: vLLM's V2 model runner is not supported; set VLLM_USE_V2_MODEL_RUNNER=0")
         with mock.patch.object(cpu_worker, "CPUModelRunner", EpiKVCPURunner):
             super().init_device()
+
+
+def _head_shards(tp: Any, heads: int) -> HeadShards:
+    """This rank's share of the heads, and the collectives of vLLM's tensor-parallel group: gathers
+    and the score broadcast on its own group, the small agreements (an element-wise max, every rank's
+    lines) on its CPU group."""
+
+    def union(flags: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=tp.cpu_group)
+        return flags
+
+    def objects(x: Any) -> list[Any]:
+        out: list[Any] = [None] * tp.world_size
+        torch.distributed.all_gather_object(out, x, group=tp.cpu_group)
+        return out
+
+    lo = tp.rank_in_group * heads
+    return HeadShards(lo, lo + heads, tp.all_gather, lambda t: tp.broadcast(t, 0), union, objects)
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.")

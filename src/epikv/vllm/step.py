@@ -11,16 +11,22 @@ scheduler, never a write into someone else's block and never the engine's death.
 After the forward (:meth:`EpiKVWorkerState.after_forward`): the new tokens' true positions are stored
 beside their slots, the policy observes the band layers' hidden states (vLLM's own aux hidden
 states), the books count the step, and each row that is due (held > its K and tau steps since its
-last compaction: :meth:`RowBooks.due`) is compacted in place (:func:`epikv.vllm.compaction.choose`,
-then :meth:`~epikv.vllm.compaction.Compaction.apply`). Whatever goes wrong for a request there
-faults that request, with one line naming the cause; the step goes on for every other row. A
-compaction that raises is retried per row and fails only the rows that raise alone; an exception
-while observing a decode step (one call for the batch's shared state) fails the batch's rows.
+last compaction: :meth:`RowBooks.due`) is compacted in place (:mod:`epikv.vllm.step_compact`).
+Whatever goes wrong for a request there faults that request, with one line naming the cause; the
+step goes on for every other row. A compaction that raises is retried per row and fails only the
+rows that raise alone; an exception while observing a decode step (one call for the batch's shared
+state) fails the batch's rows.
+
+Tensor parallelism (:meth:`EpiKVWorkerState.agree`): every rank runs this step on the same rows.
+Before compacting, the ranks agree on which requests faulted this step (on any rank), so every rank
+compacts the same rows; each scoring call (which gathers heads across ranks) has one verdict on every
+rank (:meth:`epikv.vllm.compaction.HeadShards.together`); after a step that compacted, they agree
+again (a move or a trace line can fail on one rank). So no rank enters a collective another skips,
+and a fault on any rank reaches the first rank's output, which is what the scheduler reads.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,11 +36,11 @@ import numpy as np
 import torch
 
 from epikv.policies.base import ModelInfo, StepSignals
-from epikv.policies.rows import on_rows
 from epikv.spec import CacheSpec
-from epikv.vllm.compaction import Compaction, PagedView, SlotStore, choose
+from epikv.vllm.compaction import PEER_FAILED, SlotStore
 from epikv.vllm.config import EpiKVSettings, plan_request
 from epikv.vllm.requests import Requests
+from epikv.vllm.step_compact import RowCompactions
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ class StepBatch:
     blocks: Callable[[str], Sequence[int]] | None = None
 
 
-class EpiKVWorkerState:
+class EpiKVWorkerState(RowCompactions):
     """The plugin's state in one worker: the spec, the requests' books and state, the slot store."""
 
     def __init__(
@@ -155,7 +161,8 @@ class EpiKVWorkerState:
 
     # -- after the forward ------------------------------------------------------------------------
     def after_forward(self, batch: StepBatch, aux: list[torch.Tensor] | None) -> None:
-        """Store the new tokens' positions, let the policy observe, count, and compact due rows."""
+        """Store the new tokens' positions, let the policy observe, count, agree on faults (tensor
+        parallelism), compact due rows, agree again if anything was compacted, and report."""
         n, starts = len(batch.ids), batch.starts
         if not self.evicts:  # ``full``: nothing to observe; the counters are the lengths
             held = (batch.computed + batch.scheduled).tolist()
@@ -168,7 +175,7 @@ class EpiKVWorkerState:
         self.store.write(slots[live], positions[live])
         hidden = dict(zip([a - 1 for a in self.aux_layers], aux or [], strict=True))
         records = self.requests.records
-        decode = []
+        decode, prefilled = [], []
         for i, req_id in enumerate(batch.ids):
             if req_id not in records:
                 continue
@@ -176,31 +183,62 @@ class EpiKVWorkerState:
                 decode.append(i)
                 continue
             lo, hi = int(starts[i]), int(starts[i + 1])
-            done = batch.computed[i] + hi - lo >= batch.prompts[i]
             try:
-                self._prefill(batch, req_id, hidden, slots[lo:hi], positions[lo:hi], hi - 1, done)
+                self._prefill(req_id, hidden, slots[lo:hi], positions[lo:hi], hi - 1)
+                if batch.computed[i] + hi - lo >= batch.prompts[i]:
+                    prefilled.append(req_id)
             except Exception as err:  # this request's fault, not the engine's
                 log.exception("epikv: prefill of request %s failed", req_id)
                 self.fault(req_id, f"prefill failed: {type(err).__name__}: {err}")
-        if decode:
-            ids = [batch.ids[i] for i in decode]
+        ids = [batch.ids[i] for i in decode]
+        if ids:
             last = torch.from_numpy(starts[1:][decode] - 1)
             try:
-                self._decode(batch, ids, hidden, slots[last], positions[last], last)
+                self._observe(ids, hidden, slots[last], positions[last], last)
             except Exception as err:  # observing is one call on the rows' shared state: all fail
                 log.exception("epikv: a decode step of %d requests failed", len(ids))
                 for req_id in ids:
                     self.fault(req_id, f"decode step failed: {type(err).__name__}: {err}")
+        self.agree(batch.ids)  # from here on every rank holds the same rows with the same books
+        compacted = False
+        for req_id in prefilled:
+            if req_id in records:
+                compacted = self._compact_prefilled(batch, req_id) or compacted
+        ids = [r for r in ids if r in records]
+        if ids:
+            compacted = self._compact_decoding(batch, ids) or compacted
+        if compacted:  # a move or a trace line fails on one rank only
+            self.agree(batch.ids)
+
+    def agree(self, ids: Sequence[str]) -> None:
+        """Under tensor parallelism: a request of ``ids`` faulted on any rank this step is faulted on
+        every rank, with the first rank's own line for it (so the scheduler, which reads the first
+        rank's output, fails it), or the line of the first rank that saw it fail. One collective of
+        len(ids) ints; a second (the lines) only in a step where some rank faulted a request."""
+        shards = None if self.store is None else self.store.shards
+        if shards is None or not ids:
+            return
+        mine = torch.tensor([int(r in self.faults) for r in ids], dtype=torch.int32)
+        anywhere = shards.union(mine)
+        if not bool(anywhere.any()):
+            return
+        failed = [r for r, flag in zip(ids, anywhere.tolist(), strict=True) if flag]
+        lines = shards.objects({r: self.faults[r] for r in failed if r in self.faults})
+        for req_id in failed:
+            own = self.faults.get(req_id)
+            seen = [ln[req_id] for ln in lines if req_id in ln and PEER_FAILED not in ln[req_id]]
+            if own is None or (PEER_FAILED in own and seen):
+                why = seen[0] if seen else "failed on another tensor-parallel rank"
+                self.report.pop(req_id, None)
+                self.fault(req_id, why)
 
     def _prefill(
         self,
-        batch: StepBatch,
         req_id: str,
         hidden: dict[int, torch.Tensor],
         slots: torch.Tensor,
         positions: torch.Tensor,
         last: int,
-        done: bool,
     ) -> None:
         """A prompt chunk of one request: the policy sees its last state (epikv's prefill signal)."""
         record = self.requests.records[req_id]
@@ -215,16 +253,26 @@ class EpiKVWorkerState:
             self.store.write_buffer(name, slots, value[:, 0].transpose(1, 2))  # type: ignore[union-attr]
         record.books.grow([q], q, decode=False)
         record.books.seen = record.books.seen + q
-        if done and record.books.due(self.spec.interval):
-            record.state, failed = self._compact(batch, [req_id], record.books, record.state, [0])
-            if failed:  # one row: the prefill's own fault line
-                raise failed[0]
         books = record.books
         self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
 
-    def _decode(
+    def _compact_prefilled(self, batch: StepBatch, req_id: str) -> bool:
+        """A request whose prompt is all in: compacted if it is due (a fault is its prefill's);
+        whether it was due."""
+        record = self.requests.records[req_id]
+        books = record.books
+        if not books.due(self.spec.interval):
+            return False
+        record.state, failed = self._compact(batch, [req_id], books, record.state, [0])
+        if failed:
+            err = failed[0]
+            self.fault(req_id, f"prefill failed: {type(err).__name__}: {err}")
+            return True
+        self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
+        return True
+
+    def _observe(
         self,
-        batch: StepBatch,
         ids: list[str],
         hidden: dict[int, torch.Tensor],
         slots: torch.Tensor,
@@ -245,119 +293,21 @@ class EpiKVWorkerState:
         books.grow([1] * rows, 1, decode=True)
         books.seen = books.seen + 1
         books.since = [s + 1 for s in books.since]
+        self.requests.set_state(state)
+
+    def _compact_decoding(self, batch: StepBatch, ids: list[str]) -> bool:
+        """Compact the due rows of the decoding requests ``ids`` (observed this step) and report
+        them all; whether any row was due."""
+        books, state = self.requests.batch(ids)
         due = books.due(self.spec.interval)
         failed: dict[int, Exception] = {}
         if due:
             state, failed = self._compact(batch, ids, books, state, due)
-        self.requests.set_state(state)
+            self.requests.set_state(state)
         counters = zip(books.peak, books.evicted, books.compactions, books.budgets, strict=True)
         self.report.update(
             (r, c) for i, (r, c) in enumerate(zip(ids, counters, strict=True)) if i not in failed
         )
         for i, err in failed.items():  # after set_state: a fault writes the batch back to its records
             self.fault(ids[i], f"compaction failed: {type(err).__name__}: {err}")
-
-    def _compact(
-        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int]
-    ) -> tuple[Any, dict[int, Exception]]:
-        """Compact rows ``rows`` of a batch (``ids`` its request ids); returns the batch's state and
-        the rows that failed, with what they raised. Rows of each budget are scored in one call, so a
-        policy always sees one K (as in epikv's cache). A group that raises is retried row by row and
-        only the rows that raise again fail: no row's failure fails another row or another group."""
-        failed: dict[int, Exception] = {}
-        budgets = books.budgets
-        for k in sorted({budgets[r] for r in rows}):
-            group = [r for r in rows if budgets[r] == k]
-            state = self._compact_group(batch, ids, books, state, group, k, failed)
-        return state, failed
-
-    def _compact_group(
-        self,
-        batch: StepBatch,
-        ids: list[str],
-        books: Any,
-        state: Any,
-        rows: list[int],
-        budget: int,
-        failed: dict[int, Exception],
-    ) -> Any:
-        """Choose the group's compaction in one call, or each row's alone if that call raises (a row
-        that raises alone fails), then do them."""
-        chosen: list[tuple[list[int], Compaction]] = []
-        try:
-            done, state = self._choose(batch, ids, books, state, rows, budget)
-            chosen.append((rows, done))
-        except Exception as err:
-            for r in self._alone(ids, rows, err, failed):
-                try:
-                    done, state = self._choose(batch, ids, books, state, [r], budget)
-                    chosen.append(([r], done))
-                except Exception as again:
-                    log.exception("epikv: compaction of request %s failed alone too", ids[r])
-                    failed[r] = again
-        for group, done in chosen:
-            self._apply(ids, books, group, done, failed)
-        return state
-
-    @staticmethod
-    def _alone(ids: list[str], rows: list[int], err: Exception, failed: dict[int, Exception]) -> list[int]:
-        """A call for ``rows`` raised ``err``: the rows to retry one at a time (none if it was one
-        row's call: that row fails)."""
-        if len(rows) == 1:
-            log.exception("epikv: compaction of request %s failed", ids[rows[0]])
-            failed[rows[0]] = err
-            return []
-        log.exception("epikv: compaction of %d requests failed; retrying each alone", len(rows))
-        return rows
-
-    def _choose(
-        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int], budget: int
-    ) -> tuple[Compaction, Any]:
-        """Score and select rows ``rows`` (one budget) in one call; nothing is written yet."""
-        assert self.store is not None and batch.blocks is not None
-        held = [books.held[r] for r in rows]
-        width, block = max(held), self.block_size
-        slot_rows = []
-        for r in rows:
-            blocks = torch.tensor(list(batch.blocks(ids[r])), dtype=torch.long)
-            row = (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:width]
-            slot_rows.append(torch.cat([row, row[:1].expand(width - row.shape[0])]))
-        view = PagedView(
-            self.store,
-            torch.stack(slot_rows),
-            torch.tensor(held),
-            books.prompt_len[rows],
-            books.seen[rows],
-            budget,
-        )
-        store, spec = self.store, self.spec
-        return on_rows(state, rows, len(books), lambda part: choose(store, spec, part, view))
-
-    def _apply(
-        self, ids: list[str], books: Any, rows: list[int], done: Compaction, failed: dict[int, Exception]
-    ) -> None:
-        """Do a chosen compaction of ``rows``; if it raises, do each row's part again alone (doing a
-        part twice is doing it once), and fail the rows that raise again. Then count and trace."""
-        assert self.store is not None
-        try:
-            done.apply(self.store)
-        except Exception as err:
-            for i, r in enumerate(self._alone(ids, rows, err, failed)):
-                try:
-                    done.row(i).apply(self.store)
-                except Exception as again:
-                    log.exception("epikv: moving request %s's tokens failed alone too", ids[r])
-                    failed[r] = again
-        for i, r in enumerate(rows):
-            if r in failed:
-                continue
-            books.compacted([r], [done.kept[i]])
-            self.requests.dropped[ids[r]] = int(books.evicted[r])
-            if self._trace is not None:
-                try:
-                    record = {"request": ids[r], "seen": int(books.seen[r]), "kept": done.positions[i]}
-                    self._trace.write(json.dumps(record) + "\n")
-                    self._trace.flush()
-                except Exception as err:  # a full disk, say: this row's line is lost, so it fails
-                    log.exception("epikv: tracing request %s failed", ids[r])
-                    failed[r] = err
+        return bool(due)
