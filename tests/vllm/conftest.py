@@ -242,3 +242,49 @@ def metric(base: str, name: str, **labels: str) -> float:
         if all(f'{key}="{value}"' in line for key, value in labels.items()):
             total += float(line.split()[-1])
     return total
+
+
+# -- driving the in-process engine step by step (tests/vllm/test_traffic.py and others) ----------
+def params(n: int, **extra: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
+
+
+def core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def drive(llm, arrivals, aborts=None, on_step=None):
+    """Step the engine by hand: ``arrivals[step]`` = [(id, prompt ids, params)], ``aborts[step]`` = [id];
+    returns each finished request's final output by id."""
+    from vllm.inputs import TokensPrompt
+
+    engine, aborts, done, step = llm.llm_engine, aborts or {}, {}, 0
+    while True:
+        for rid, prompt, p in arrivals.get(step, []):  # token ids, or a processed EngineCoreRequest
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt, p
+            )
+        if aborts.get(step):
+            engine.abort_request(aborts[step])
+        if on_step is not None:
+            on_step(step)
+        paused = core(llm).is_scheduler_paused()  # a paused scheduler counts no unfinished request
+        if step > max(arrivals) and not paused and not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+
+
+def assert_nothing_left(llm):
+    """After one more engine step (which hands the worker the last finished ids), no request is known
+    to the scheduler's books, the worker's books or the front end's counters."""
+    core(llm).step()
+    scheduler = core(llm).scheduler
+    assert scheduler.epikv_plans == {} and scheduler.epikv_counters == {}
+    state = worker_state(llm)
+    assert state.requests.records == {} and state.requests.dropped == {}
+    assert llm.llm_engine.output_processor.epikv_latest.stats == {}

@@ -110,3 +110,33 @@ def test_a_shared_prefix_hits_vllms_cache_with_the_same_tokens(gemma3):
         assert list(cached.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
         assert cached.kv_transfer_params["epikv"] == plain.kv_transfer_params["epikv"]
         assert plain.kv_transfer_params["epikv"]["evictions"] > 0
+
+
+def test_a_request_that_can_never_be_placed_is_refused_at_arrival_and_the_queue_moves_on(gemma3):
+    """Near the pool (12 blocks, 11 usable): under K = 200 a 100-token prompt (chunks of at most 64)
+    with 300 new tokens reserves 7 global blocks; vLLM's allocation also counts its whole prompt's
+    sliding blocks (4) and epikv the shortfall at its second chunk (1): 12, so it can never be placed
+    and is refused at arrival with one line, by the count allocation uses. Before, arrival counted
+    11: it was admitted and then waited at the head of vLLM's queue forever, with every request
+    behind it. Behind it here: one that reserves 6 global blocks (11 in all) runs to its end, and a
+    small one runs after it."""
+    from vllm import SamplingParams
+
+    pool = {"num_gpu_blocks_override": 12, "max_num_batched_tokens": 64}
+    llm = make_llm(gemma3, max_model_len=512, **pool, **epikv.vllm.engine_kwargs("streaming", 200))
+    long, fits, small = _prompts([100, 100, 9])
+    engine, done = llm.llm_engine, {}
+    for rid, prompt, n in [("never", long, 300), ("fits", fits, 92), ("small", small, 10)]:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=n, ignore_eos=True))
+    for _ in range(600):  # bounded: a request that never runs must fail the test, not hang it
+        if not engine.has_unfinished_requests():
+            break
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    close(llm)
+    assert sorted(done) == ["fits", "never", "small"]
+    assert done["never"].outputs[0].finish_reason == "error"
+    error = done["never"].kv_transfer_params["epikv"]["error"]
+    assert "201 tokens (7 blocks of 32, and 5 for its sliding windows)" in error
+    assert "more than the whole KV pool (11 blocks)" in error
+    assert [done[r].outputs[0].finish_reason for r in ("fits", "small")] == ["length", "length"]
+    assert [len(done[r].outputs[0].token_ids) for r in ("fits", "small")] == [92, 10]

@@ -95,3 +95,54 @@ def test_a_hybrid_at_tp2_keeps_tp1s_positions_and_tokens(tiny, tmp_path, kind, p
     assert sum(len(sets) for sets in kept[1]) >= 3  # every request compacted
     assert kept[2] == kept[1]
     assert toks[2] == toks[1]
+
+
+def _fail_on_rank_1(worker: Any, prompt_len: int) -> int:
+    """Runs in every worker (``collective_rpc``): on the rank holding heads 1.., the policy's
+    scoring raises for a decode compaction that holds the request with ``prompt_len``."""
+    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
+    state = runner.epikv
+    if state.store.shards.lo == 0:
+        return 0
+    policy = type(state.spec.policy)
+    score = policy.score
+
+    def broken(self, st, view):
+        if prompt_len in view.prompt_len.tolist() and bool((view.seen > view.prompt_len).all()):
+            raise RuntimeError("a fault on rank 1 for the test")
+        return score(self, st, view)
+
+    policy.score = broken
+    policy.unbroken = score
+    return 1
+
+
+def _heal(worker: Any) -> None:
+    policy = type((getattr(worker, "model_runner", None) or worker.worker.model_runner).epikv.spec.policy)
+    if hasattr(policy, "unbroken"):
+        policy.score = policy.unbroken
+
+
+def test_a_fault_on_rank_1_alone_fails_that_request_and_the_engine_serves_on(llama):
+    """A decode compaction that raises on rank 1 only (rank 0's output is what the scheduler reads):
+    that request fails with rank 1's line, the others give their tokens without the fault, nothing
+    waits in a collective, and the engine serves on, exactly."""
+    folder, prompts = llama
+    kwargs = epikv.vllm.engine_kwargs("keydiff", 40, interval=8)
+    kwargs.update(tensor_parallel_size=2, distributed_executor_backend="mp")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}")
+        llm = make_llm(folder, max_model_len=512, **kwargs)
+        try:
+            ref = tokens(generate(llm, prompts, N))
+            assert sorted(llm.collective_rpc(_fail_on_rank_1, args=(len(prompts[1]),))) == [0, 1]
+            out = generate(llm, prompts, N)
+            llm.collective_rpc(_heal)
+            again = tokens(generate(llm, prompts, N))
+        finally:
+            close(llm)
+    assert out[1].outputs[0].finish_reason == "error"
+    error = out[1].kv_transfer_params["epikv"]["error"]
+    assert "compaction failed: RuntimeError: a fault on rank 1 for the test" in error
+    assert [tokens([o])[0] for o in (out[0], out[2])] == [ref[0], ref[2]]
+    assert again == ref

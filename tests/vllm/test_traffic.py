@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import close, generate, make_llm, tokens, worker_state
+from conftest import assert_nothing_left, close, core, drive, generate, make_llm, params, tokens, worker_state
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.utils.math_utils import cdiv
@@ -20,46 +20,6 @@ import epikv.vllm
 from epikv.vllm.config import BUDGET_ARG
 
 K = 48  # streaming: every step over K evicts one token
-
-
-def params(n: int, **extra) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
-
-
-def core(llm):
-    return llm.llm_engine.engine_core.engine_core
-
-
-def drive(llm, arrivals, aborts=None, on_step=None):
-    """Step the engine by hand: ``arrivals[step]`` = [(id, prompt ids, params)], ``aborts[step]`` = [id];
-    returns each finished request's final output by id."""
-    engine, aborts, done, step = llm.llm_engine, aborts or {}, {}, 0
-    while True:
-        for rid, prompt, p in arrivals.get(step, []):  # token ids, or a processed EngineCoreRequest
-            engine.add_request(
-                rid, TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt, p
-            )
-        if aborts.get(step):
-            engine.abort_request(aborts[step])
-        if on_step is not None:
-            on_step(step)
-        if step > max(arrivals) and not engine.has_unfinished_requests():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-
-
-def assert_nothing_left(llm):
-    """After one more engine step (which hands the worker the last finished ids), no request is known
-    to the scheduler's books, the worker's books or the front end's counters."""
-    core(llm).step()
-    scheduler = core(llm).scheduler
-    assert scheduler.epikv_plans == {} and scheduler.epikv_counters == {}
-    state = worker_state(llm)
-    assert state.requests.records == {} and state.requests.dropped == {}
-    assert llm.llm_engine.output_processor.epikv_latest.stats == {}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +75,35 @@ def test_a_forced_preemption_fails_the_running_requests_alone_and_the_engine_ser
         assert done[r].outputs[0].finish_reason == "error"
         assert "preempted" in done[r].kv_transfer_params["epikv"]["error"]
     assert tokens(generate(llm, [p[2]], 80))[0] == solo[2]  # still serving, exactly
+    assert_nothing_left(llm)
+
+
+@pytest.mark.parametrize("clear_cache", [False, True])
+def test_a_pause_that_keeps_requests_freezes_them_or_fails_them_alone(llm, embedded, solo, clear_cache):
+    """vLLM's ``pause_generation(mode="keep")``: without clearing the cache the running requests
+    freeze (no step computes a token for them) and, resumed, give their solo tokens; clearing it
+    (vLLM's default) resets the prefix cache with requests running, which preempts them: each
+    evicting request fails alone with one line, and the engine serves on, exactly."""
+    p, computed = embedded["prompts"], {}
+
+    def pause(step):
+        if step == 12:
+            core(llm).pause_scheduler(mode="keep", clear_cache=clear_cache)
+        if step in (13, 19):
+            computed[step] = sorted(r.num_computed_tokens for r in core(llm).scheduler.requests.values())
+        if step == 20:
+            core(llm).resume_scheduler()
+
+    done = drive(llm, {0: [("a", p[0], params(80)), ("b", p[1], params(80))]}, on_step=pause)
+    if clear_cache:
+        assert computed[13] == computed[19] == []  # failed at the pause, gone from the scheduler
+        for r in "ab":
+            assert done[r].outputs[0].finish_reason == "error"
+            assert "preempted" in done[r].kv_transfer_params["epikv"]["error"]
+    else:
+        assert computed[13] == computed[19] and len(computed[13]) == 2 and min(computed[13]) > len(p[0])
+        assert [list(done[r].outputs[0].token_ids) for r in "ab"] == solo[:2]
+    assert tokens(generate(llm, [p[2]], 80))[0] == solo[2]
     assert_nothing_left(llm)
 
 

@@ -77,6 +77,12 @@ METHODS: dict[str, dict[str, list[str]]] = {
         "all_gather": ["self", "input_", "dim"],
         "broadcast": ["self", "input_", "src"],
     },
+    # called: the capped spec's manager registered beside full attention (scheduler.register_spec);
+    # ``_ensure_registered`` loads vLLM's own entries first, so ours is not overwritten by them
+    "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry": {
+        "_ensure_registered": ["vllm_config"],
+        "register": ["kvcache_spec_cls", "manager_class", "uniform_type_base_spec"],
+    },
     "vllm.model_executor.models.registry:_ModelRegistry": {  # called (start-up refusals)
         "resolve_model_cls": ["self", "architectures", "model_config"],
     },
@@ -105,7 +111,7 @@ FUNCTIONS: dict[str, list[str]] = {
 }
 
 # attributes the plugin reads off the tensor-parallel group (set in GroupCoordinator.__init__)
-GROUP_ATTRS = ("rank_in_group", "world_size")
+GROUP_ATTRS = ("rank_in_group", "world_size", "cpu_group")  # cpu_group: the ranks' agreements
 
 # class -> attributes its __init__ sets that the plugin's front-end wrappers read: the engines'
 # processors and core client (plugin._after_init, _replica_pool), the clients' engine list (one
@@ -117,6 +123,12 @@ INIT_ATTRS: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.output_processor:RequestState": ("external_req_id", "parent_req"),
     "vllm.distributed.parallel_state:GroupCoordinator": GROUP_ATTRS,
     "vllm.v1.worker.gpu_worker:Worker": ("use_v2_model_runner",),  # the CPU worker's base: V2 refused
+    # the scheduler's hybrid admission (scheduler.EpiKVScheduler.epikv_window_need): each group's
+    # manager, a sliding group's window, block size and each request's blocks
+    "vllm.v1.core.kv_cache_manager:KVCacheManager": ("coordinator",),
+    "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator": ("single_type_managers",),
+    "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager": ("block_size", "req_to_blocks"),
+    "vllm.v1.core.single_type_kv_cache_manager:SlidingWindowManager": ("sliding_window",),
 }
 
 # dataclass / struct -> the fields the plugin reads or writes
@@ -140,6 +152,13 @@ FIELDS: dict[str, set[str]] = {
     "vllm.v1.worker.gpu_model_runner:ExecuteModelState": {"aux_hidden_states"},
     "vllm.config.cache:CacheConfig": {"num_gpu_blocks", "block_size"},  # the front end's pool
     "vllm.v1.attention.backend:CommonAttentionMetadata": {"seq_lens"},  # made physical per group
+    # the runner finds the evicting group and wraps its builders; the scheduler sizes the pool
+    "vllm.v1.kv_cache_interface:KVCacheConfig": {"num_blocks", "kv_cache_groups"},
+    "vllm.v1.kv_cache_interface:KVCacheGroupSpec": {"layer_names", "kv_cache_spec"},
+    "vllm.v1.worker.utils:AttentionGroup": {"metadata_builders"},
+    "vllm.v1.worker.gpu_input_batch:CachedRequestState": {"block_ids"},  # a request's blocks to compact
+    "vllm.v1.core.kv_cache_utils:KVCacheBlock": {"is_null"},  # a sliding block behind the window
+    "vllm.config:SchedulerConfig": {"max_num_batched_tokens"},  # a request's first chunk
 }
 
 # attributes of live objects (checked on a running engine): the runner, its input batch, the
@@ -155,6 +174,8 @@ RUNNER_ATTRS = (
     "requests",
     "compilation_config",
     "model",
+    "model_config",
+    "attn_groups",
 )
 INPUT_BATCH_ATTRS = ("num_reqs", "req_ids", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table")
 BLOCK_TABLE_ATTRS = ("num_blocks_per_row", "slot_mapping")

@@ -136,6 +136,7 @@ class EpiKVScheduler(Scheduler):
         managers = self.kv_cache_manager.coordinator.single_type_managers
         self.epikv_windows = [m for m in managers if isinstance(m, SlidingWindowManager)]
         self.epikv_chunk = vllm_config.scheduler_config.max_num_batched_tokens
+        self._epikv_alone = False  # True while epikv_alone_blocks counts a newcomer on an empty pool
         for manager in managers:
             if isinstance(manager, EpiKVAttentionManager):
                 manager.plans = self.epikv_plans
@@ -166,13 +167,14 @@ class EpiKVScheduler(Scheduler):
             plan = plan_request(
                 spec, request.num_prompt_tokens, request.max_tokens, params.extra_args if params else None
             )
-            first = min(request.num_prompt_tokens, self.epikv_chunk)
-            windows = sum(self.epikv_window_blocks(m, first) for m in self.epikv_windows)
+            self.epikv_plans[request.request_id] = plan  # the global group's count reads it
+            windows = 0
+            if self.epikv_windows:  # what allocation will count, on an empty pool, less the reservation
+                windows = self.epikv_alone_blocks(request) - cdiv(plan.reserve or 0, self.epikv_block)
             check_pool(plan, self.epikv_block, self.epikv_usable_blocks, windows)
         except AdmissionError as err:
+            self.epikv_plans.pop(request.request_id, None)
             self.epikv_fail(request, str(err))
-            return
-        self.epikv_plans[request.request_id] = plan
 
     # -- a hybrid's sliding-window groups ---------------------------------------------------------
     def epikv_window_blocks(self, manager: Any, tokens: int) -> int:
@@ -187,21 +189,55 @@ class EpiKVScheduler(Scheduler):
         return min(left, self.epikv_chunk) if left > 0 else 1
 
     def epikv_headroom(self, request_id: str) -> int:
-        """Blocks that must stay free when ``request_id`` is admitted, so no running evicting request
-        is ever preempted for a sliding-window block (which would fail it: a compacted cache cannot be
-        re-prefilled). Global blocks are reserved whole at admission; sliding ones are vLLM's, recycled
-        as the window moves, so a request's next step can need up to ``epikv_window_blocks`` of them.
-        Kept free: each running planned request's shortfall against that, and the newcomer's own need
-        after its first chunk. Admission leaving this free keeps the pool's free blocks at least the
-        running requests' total shortfall: each allocation lowers both by one, each free raises both."""
-        request = self.requests[request_id]
-        after = request.num_prompt_tokens - self.epikv_chunk
+        """Blocks the global group's count adds when ``request_id`` is first allocated: its
+        :meth:`epikv_window_need` among the running requests (counted, never allocated; alone while
+        :meth:`epikv_alone_blocks` counts)."""
+        running = () if self._epikv_alone else self.running
+        return self.epikv_window_need(self.requests[request_id], running)
+
+    def epikv_alone_blocks(self, request: Any) -> int:
+        """The blocks vLLM's allocation counts for ``request`` on an empty pool (no prefix hit), every
+        group together, through vLLM's own count (``KVCacheCoordinator.get_num_blocks_to_allocate``,
+        in which the global group's count is the reservation plus :meth:`epikv_headroom`): the larger
+        of its full-sequence check (the whole prompt, with vLLM's admission cap on sliding groups) and
+        its first chunk's. So arrival and allocation are one rule: a request that passes at arrival
+        is placed on an empty pool, and never waits forever at the head of vLLM's queue."""
+        coordinator = self.kv_cache_manager.coordinator
+        none: tuple[tuple[()], ...] = tuple(() for _ in coordinator.single_type_managers)
+        prompt = request.num_prompt_tokens
+        self._epikv_alone = True
+        try:
+            return max(
+                coordinator.get_num_blocks_to_allocate(
+                    request.request_id, n, none, 0, 0, 0, n, apply_admission_cap=cap, prefill_end=prompt
+                )
+                for n, cap in ((prompt, True), (min(prompt, self.epikv_chunk), False))
+            )
+        finally:
+            self._epikv_alone = False
+
+    def epikv_window_need(self, request: Any, running: Any) -> int:
+        """epikv's part of the admission rule for a hybrid's sliding-window groups, beyond the blocks
+        vLLM counts itself (the newcomer's first chunk: ``cdiv(first, block)`` with no prefix hit),
+        at arrival (``running`` empty, through :meth:`epikv_alone_blocks`: can it ever run?) and at
+        allocation (among ``self.running``). Global blocks are reserved whole at
+        admission; sliding ones are vLLM's, recycled as the window moves, so a request's step can need
+        up to :meth:`epikv_window_blocks` of them. Left free: the newcomer's shortfall at its second
+        step (that bound for its next tokens, less its first chunk's blocks) and each running planned
+        request's shortfall against its next step. So the pool's free blocks stay at least the running
+        requests' total shortfall (each allocation lowers both by one, each free raises both): no
+        running evicting request is ever preempted for a sliding block (which would fail it: a
+        compacted cache cannot be re-prefilled); and a request admitted at arrival fits an empty
+        pool, so it never waits forever at the head of vLLM's queue."""
+        first = min(request.num_prompt_tokens, self.epikv_chunk)
+        after = request.num_prompt_tokens - first
         need = min(after, self.epikv_chunk) if after > 0 else 1
         total = 0
         for manager in self.epikv_windows:
-            total += self.epikv_window_blocks(manager, need)
-            for other in self.running:
-                if other.request_id == request_id or other.request_id not in self.epikv_plans:
+            first_blocks = cdiv(first, manager.block_size)
+            total += max(0, self.epikv_window_blocks(manager, need) - first_blocks)
+            for other in running:
+                if other.request_id == request.request_id or other.request_id not in self.epikv_plans:
                     continue
                 held = sum(not b.is_null for b in manager.req_to_blocks.get(other.request_id, ()))
                 want = self.epikv_window_blocks(manager, self.epikv_next_tokens(other))
