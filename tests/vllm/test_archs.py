@@ -20,7 +20,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
+from engines import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused

@@ -1,5 +1,5 @@
 """Data parallelism: vLLM's OpenAI server with ``--data-parallel-size 2`` (two engine cores, each with
-its own scheduler, worker and plugin) on 127.0.0.1 and a free port (``conftest.serve``). Concurrent
+its own scheduler, worker and plugin) on 127.0.0.1 and a free port (``engines.serve``). Concurrent
 chats are spread over both replicas; each is bounded by its own replica's plugin, and the plugin's
 count of finished requests is vLLM's, over both."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import metric, serve
+from engines import metric, serve
 
 K, N, REQUESTS = 64, 48, 8  # chat prompts of about 40 tokens: each evicts once past K
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import agree, close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
+from engines import agree, close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused

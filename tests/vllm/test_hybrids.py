@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import close, generate, make_llm, worker_state
+from engines import close, generate, make_llm, worker_state
 
 import epikv.vllm
 from epikv.vllm.scheduler import EpiKVAttentionManager

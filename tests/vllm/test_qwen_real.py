@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import BLOCK, close, generate, kept_sets, make_llm, reference, reference_run, tokens
+from engines import BLOCK, close, generate, kept_sets, make_llm, reference, reference_run, tokens
 
 import epikv.vllm
 

@@ -1,6 +1,6 @@
 """vLLM's own OpenAI server with the plugin, as a user starts it (separate engine and worker processes,
 the plugin loaded by its entry point in each), on 127.0.0.1 and a free port; stops by itself
-(``conftest.serve``)."""
+(``engines.serve``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from conftest import metric, serve
+from engines import metric, serve
 
 
 @pytest.fixture(scope="module")

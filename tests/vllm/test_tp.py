@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import close, generate, kept_sets, make_llm, tokens
+from engines import close, generate, kept_sets, make_llm, tokens
 
 import epikv.vllm
 

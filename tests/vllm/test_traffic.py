@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import assert_nothing_left, close, core, drive, generate, make_llm, params, tokens, worker_state
+from engines import assert_nothing_left, close, core, drive, generate, make_llm, params, tokens, worker_state
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.utils.math_utils import cdiv

@@ -24,7 +24,7 @@ from epikv.policies.registry import policy_class
 from epikv.vllm.compaction import HeadShards
 from epikv.vllm.paged import PagedKV
 from epikv.vllm.step import EpiKVWorkerState
-from tests.vllm_core.test_step_faults import PROMPTS, held_equal, run
+from tests.plugin_without_vllm.test_step_faults import PROMPTS, held_equal, run
 
 LINE = "a fault for the test"
 TIMEOUT_S = 60
