@@ -117,10 +117,10 @@ def test_a_fault_in_one_requests_step_fails_that_request_alone(llm, embedded, so
     assert bad not in (len(p[0]), len(p[2]))
     prefill = type(state)._prefill
 
-    def broken(self, batch, req_id, *args):
+    def broken(self, req_id, *args):
         if self.requests.records[req_id].books.prompt_len[0] == bad:
             raise RuntimeError("a fault for the test")
-        return prefill(self, batch, req_id, *args)
+        return prefill(self, req_id, *args)
 
     monkeypatch.setattr(type(state), "_prefill", broken)
     out = generate(llm, p[:3], 80)
