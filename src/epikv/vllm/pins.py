@@ -120,7 +120,8 @@ INIT_ATTRS: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.llm_engine:LLMEngine": ("input_processor", "output_processor", "engine_core"),
     "vllm.v1.engine.async_llm:AsyncLLM": ("input_processor", "output_processor", "engine_core"),
     "vllm.v1.engine.core_client:MPClient": ("core_engines",),
-    "vllm.v1.engine.output_processor:RequestState": ("external_req_id", "parent_req"),
+    "vllm.v1.engine.output_processor:RequestState": ("external_req_id", "parent_req", "request_id"),
+    "vllm.v1.engine.output_processor:OutputProcessor": ("request_states",),  # a request's front-end state
     "vllm.distributed.parallel_state:GroupCoordinator": GROUP_ATTRS,
     "vllm.v1.worker.gpu_worker:Worker": ("use_v2_model_runner",),  # the CPU worker's base: V2 refused
     # the scheduler's hybrid admission (scheduler.EpiKVScheduler.epikv_window_need): each group's
@@ -150,7 +151,24 @@ FIELDS: dict[str, set[str]] = {
     "vllm.v1.engine:EngineCoreOutput": {"request_id", "finish_reason", "kv_transfer_params"},
     "vllm.v1.engine:EngineCoreOutputs": {"outputs"},
     "vllm.v1.worker.gpu_model_runner:ExecuteModelState": {"aux_hidden_states"},
-    "vllm.config.cache:CacheConfig": {"num_gpu_blocks", "block_size"},  # the front end's pool
+    "vllm.config.cache:CacheConfig": {"num_gpu_blocks", "block_size", "cache_dtype", "enable_prefix_caching"},
+    # the engine's configuration as the plugin reads it (plugin.register's classes, start-up refusals)
+    "vllm.config.vllm:VllmConfig": {
+        "model_config",
+        "cache_config",
+        "parallel_config",
+        "scheduler_config",
+        "speculative_config",
+        "additional_config",
+    },
+    "vllm.config.parallel:ParallelConfig": {"worker_cls", "tensor_parallel_size", "pipeline_parallel_size"},
+    "vllm.config.model:ModelConfig": {
+        "hf_config",
+        "hf_text_config",
+        "max_model_len",
+        "model",
+        "served_model_name",
+    },
     "vllm.v1.attention.backend:CommonAttentionMetadata": {"seq_lens"},  # made physical per group
     # the runner finds the evicting group and wraps its builders; the scheduler sizes the pool
     "vllm.v1.kv_cache_interface:KVCacheConfig": {"num_blocks", "kv_cache_groups"},
@@ -158,7 +176,7 @@ FIELDS: dict[str, set[str]] = {
     "vllm.v1.worker.utils:AttentionGroup": {"metadata_builders"},
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": {"block_ids"},  # a request's blocks to compact
     "vllm.v1.core.kv_cache_utils:KVCacheBlock": {"is_null"},  # a sliding block behind the window
-    "vllm.config:SchedulerConfig": {"max_num_batched_tokens"},  # a request's first chunk
+    "vllm.config:SchedulerConfig": {"max_num_batched_tokens", "scheduler_cls"},  # first chunk; class
 }
 
 # attributes of live objects (checked on a running engine): the runner, its input batch, the
