@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any, Protocol
 
 import torch
 
@@ -19,10 +20,14 @@ from epikv.spec import CacheSpec
 from epikv.vllm.compaction import Compaction, PagedView, SlotStore, choose
 from epikv.vllm.requests import Requests
 
-if TYPE_CHECKING:
-    from epikv.vllm.step import StepBatch
-
 log = logging.getLogger("epikv.vllm.step")
+
+
+class StepBatch(Protocol):
+    """What a compaction reads of the step's batch (:class:`epikv.vllm.step.StepBatch`): each
+    request's block ids."""
+
+    blocks: Callable[[str], Sequence[int]] | None
 
 
 class RowCompactions:
