@@ -103,6 +103,7 @@ class EpiKVWorkerState(RowCompactions):
         """This request cannot go on: forget it here; the scheduler finishes it with an error."""
         log.warning("epikv: request %s: %s", req_id, why)
         self.faults[req_id] = why
+        self.report.pop(req_id, None)  # the scheduler keeps its counters of the step before
         self.requests.remove(req_id)
 
     def take(self) -> tuple[dict[str, tuple[int, int, int, int | None]], dict[str, str]]:
@@ -228,9 +229,7 @@ class EpiKVWorkerState(RowCompactions):
             own = self.faults.get(req_id)
             seen = [ln[req_id] for ln in lines if req_id in ln and PEER_FAILED not in ln[req_id]]
             if own is None or (PEER_FAILED in own and seen):
-                why = seen[0] if seen else "failed on another tensor-parallel rank"
-                self.report.pop(req_id, None)
-                self.fault(req_id, why)
+                self.fault(req_id, seen[0] if seen else "failed on another tensor-parallel rank")
 
     def _prefill(
         self,
