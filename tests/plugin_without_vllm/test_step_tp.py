@@ -135,14 +135,6 @@ def same_as_reference(got: dict[str, Any], ref: dict[str, Any], rank: int, reque
         assert lines[0] == lines[1] and lines[0], r
 
 
-def test_two_ranks_without_a_fault_hold_what_one_process_holds(reference, tmp_path):
-    policy, ref = reference
-    ranks = run_tp(policy, "none", tmp_path / "tp")
-    for rank, got in enumerate(ranks):
-        assert got["faults"] == {}
-        same_as_reference(got, ref, rank, list(PROMPTS))
-
-
 @pytest.mark.parametrize(
     ("fault", "failed", "line"),
     [
@@ -163,9 +155,12 @@ def test_a_fault_on_rank_1_alone_fails_the_same_requests_on_both_ranks(
         same_as_reference(got, ref, rank, [r for r in PROMPTS if r not in failed])
 
 
-def test_a_fault_of_rank_1s_batched_call_alone_fails_no_request(reference, tmp_path):
+@pytest.mark.parametrize("fault", ["none", "batched"])
+def test_no_fault_or_a_fault_of_rank_1s_batched_call_alone_fails_no_request(reference, tmp_path, fault):
+    """Without a fault, and with rank 1's batched scoring call failing (each row is then retried
+    alone on both ranks), two ranks hold what one process holds."""
     policy, ref = reference
-    ranks = run_tp(policy, "batched", tmp_path / "tp")
+    ranks = run_tp(policy, fault, tmp_path / "tp")
     for rank, got in enumerate(ranks):
         assert got["faults"] == {}
         same_as_reference(got, ref, rank, list(PROMPTS))

@@ -183,9 +183,9 @@ class EpiKVScheduler(Scheduler):
         starts in a block (vLLM frees the blocks behind the window before it allocates)."""
         return 1 + cdiv(manager.sliding_window + tokens - 2, manager.block_size)
 
-    def epikv_next_tokens(self, request: Any) -> int:
-        """The tokens ``request`` computes at its next step at most (a prompt chunk, or one)."""
-        left = request.num_prompt_tokens - request.num_computed_tokens
+    def epikv_next_tokens(self, left: int) -> int:
+        """The tokens a request with ``left`` prompt tokens still to compute computes at its next step
+        at most (a prompt chunk, or one)."""
         return min(left, self.epikv_chunk) if left > 0 else 1
 
     def epikv_headroom(self, request_id: str) -> int:
@@ -230,8 +230,7 @@ class EpiKVScheduler(Scheduler):
         compacted cache cannot be re-prefilled); and a request admitted at arrival fits an empty
         pool, so it never waits forever at the head of vLLM's queue."""
         first = min(request.num_prompt_tokens, self.epikv_chunk)
-        after = request.num_prompt_tokens - first
-        need = min(after, self.epikv_chunk) if after > 0 else 1
+        need = self.epikv_next_tokens(request.num_prompt_tokens - first)
         total = 0
         for manager in self.epikv_windows:
             first_blocks = cdiv(first, manager.block_size)
@@ -240,7 +239,8 @@ class EpiKVScheduler(Scheduler):
                 if other.request_id == request.request_id or other.request_id not in self.epikv_plans:
                     continue
                 held = sum(not b.is_null for b in manager.req_to_blocks.get(other.request_id, ()))
-                want = self.epikv_window_blocks(manager, self.epikv_next_tokens(other))
+                left = other.num_prompt_tokens - other.num_computed_tokens
+                want = self.epikv_window_blocks(manager, self.epikv_next_tokens(left))
                 total += max(0, want - held)
         return total
 

@@ -252,7 +252,10 @@ class EpiKVWorkerState(RowCompactions):
             self.store.write_buffer(name, slots, value[:, 0].transpose(1, 2))  # type: ignore[union-attr]
         record.books.grow([q], q, decode=False)
         record.books.seen = record.books.seen + q
-        books = record.books
+        self._report_one(req_id, record.books)
+
+    def _report_one(self, req_id: str, books: Any) -> None:
+        """A one-row request's counters after this step."""
         self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
 
     def _compact_prefilled(self, batch: StepBatch, req_id: str) -> bool:
@@ -267,7 +270,7 @@ class EpiKVWorkerState(RowCompactions):
             err = failed[0]
             self.fault(req_id, f"prefill failed: {type(err).__name__}: {err}")
             return True
-        self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
+        self._report_one(req_id, books)
         return True
 
     def _observe(
