@@ -190,3 +190,29 @@ def test_a_failing_second_budget_group_does_not_fail_the_first(policy, tmp_path,
     assert first & {step for _, k, step in calls if k == K}
     assert sorted(got["faults"]) == ["b", "d"]
     same_for(got, ref, ["a", "c"])
+
+
+def test_an_observe_that_raises_for_one_row_fails_that_row_alone(policy, tmp_path, monkeypatch):
+    """Observing a decode step raises whenever b is among the rows: the step's rows are observed
+    again one at a time, b fails, and the others hold what they hold without the fault."""
+    from epikv.vllm.requests import Requests
+
+    ref = run(policy, tmp_path / "ref.jsonl")
+    batch, observe, cls = Requests.batch, [], policy_class(policy)
+    original = cls.observe
+
+    def watched(self, req_ids):  # the rows the next observe sees
+        observe.append(list(req_ids))
+        return batch(self, req_ids)
+
+    def broken(self, state, signals):
+        if not signals.prefill and "b" in observe[-1]:
+            raise RuntimeError("a fault for the test")
+        return original(self, state, signals)
+
+    monkeypatch.setattr(Requests, "batch", watched)
+    monkeypatch.setattr(cls, "observe", broken)
+    got = run(policy, tmp_path / "got.jsonl")
+    assert ["a", "b", "c", "d"] in observe and ["b"] in observe  # batched, then alone
+    assert got["faults"] == {"b": "decode step failed: RuntimeError: a fault for the test"}
+    same_for(got, ref, ["a", "c", "d"])

@@ -7,6 +7,8 @@ row: a tensor with the batch on dim 0, a list with one entry per row, a nested `
 Fields named in ``shared`` are the same for every row (the model's shape) and come from the first
 state. The cache splices rows with :func:`take_rows` and :func:`cat_rows` and never learns a
 policy's type; a state whose per-row tensors can differ in their other dims overrides ``cat``.
+A policy replaces a field (a new tensor, a new list) and never writes into one, so a state can be
+restored after a call that raised (:func:`snapshot_rows`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,25 @@ def take_rows(state: Any, index: Sequence[int]) -> Any:
     if not isinstance(state, RowState):
         raise TypeError(f"policy state {type(state).__name__} is not a RowState; the engine cannot splice it")
     return state.take(index)
+
+
+def snapshot_rows(state: Any) -> Any:
+    """A copy of a policy state's structure (its ``RowState`` objects and lists are new; its tensors
+    are shared): what the state was before a call that may replace some of its fields and then
+    raise. Valid because a policy replaces a field's tensor and never writes into it."""
+    if state is None:
+        return None
+    if not isinstance(state, RowState):
+        raise TypeError(f"policy state {type(state).__name__} is not a RowState")
+    return replace(state, **{f.name: _snapshot(getattr(state, f.name)) for f in fields(state)})
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, RowState):
+        return snapshot_rows(value)
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
 
 
 def cat_rows(states: Sequence[Any]) -> Any:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from epikv.policies.base import ModelInfo, StepSignals
+from epikv.policies.rows import snapshot_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import PEER_FAILED, SlotStore
 from epikv.vllm.config import EpiKVSettings, plan_request
@@ -194,12 +195,7 @@ class EpiKVWorkerState(RowCompactions):
         ids = [batch.ids[i] for i in decode]
         if ids:
             last = torch.from_numpy(starts[1:][decode] - 1)
-            try:
-                self._observe(ids, hidden, slots[last], positions[last], last)
-            except Exception as err:  # observing is one call on the rows' shared state: all fail
-                log.exception("epikv: a decode step of %d requests failed", len(ids))
-                for req_id in ids:
-                    self.fault(req_id, f"decode step failed: {type(err).__name__}: {err}")
+            self._observe_rows(ids, hidden, slots[last], positions[last], last)
         self.agree(batch.ids)  # from here on every rank holds the same rows with the same books
         compacted = False
         for req_id in prefilled:
@@ -272,6 +268,36 @@ class EpiKVWorkerState(RowCompactions):
             return True
         self._report_one(req_id, books)
         return True
+
+    def _observe_rows(
+        self,
+        ids: list[str],
+        hidden: dict[int, torch.Tensor],
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
+        """Observe the decoding rows ``ids`` in one call, or each alone if that call raises (a row
+        that raises alone fails). The rows' state is restored after a call that raised (it may have
+        replaced some fields first); the buffers it wrote are written again by the retries."""
+        saved = snapshot_rows(self.requests.batch(ids)[1])
+        try:
+            self._observe(ids, hidden, slots, positions, tokens)
+            return
+        except Exception as err:
+            self.requests.set_state(saved)
+            if len(ids) == 1:
+                log.exception("epikv: the decode step of request %s failed", ids[0])
+                self.fault(ids[0], f"decode step failed: {type(err).__name__}: {err}")
+                return
+            log.exception("epikv: a decode step of %d requests failed; observing each alone", len(ids))
+        for j, req_id in enumerate(ids):
+            one = slice(j, j + 1)
+            try:
+                self._observe([req_id], hidden, slots[one], positions[one], tokens[one])
+            except Exception as err:
+                log.exception("epikv: the decode step of request %s failed alone too", req_id)
+                self.fault(req_id, f"decode step failed: {type(err).__name__}: {err}")
 
     def _observe(
         self,
