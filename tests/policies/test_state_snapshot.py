@@ -16,7 +16,9 @@ from epikv.policies import policy_class, policy_names
 from epikv.policies.rows import RowState, snapshot_rows
 from tests.helpers.models import policy_params
 
-PROMPT = torch.tensor([[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70], [7, 1, 9, 33, 4, 12, 50, 6, 18, 2, 40, 3]])
+PROMPT = torch.tensor(
+    [[5, 17, 3, 44, 8, 9, 21, 60, 2, 11, 13, 70], [7, 1, 9, 33, 4, 12, 50, 6, 18, 2, 40, 3]]
+)
 
 
 def same(x: Any, y: Any) -> bool:
