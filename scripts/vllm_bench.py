@@ -11,7 +11,8 @@ tokens, ``--requests`` requests of that length under the plugin (and ``--plain-r
 vLLM): how many ran at once, preemptions, and whether all finished. ``chat``: short chats (the 16
 prompts, ``--chat-tokens`` new tokens each) in a fixed pool of ``--chat-blocks`` blocks: how many ran
 at once under each engine. ``--modes`` runs each job in eager mode, vLLM's default compiled mode, or
-both. Every record carries the CPU model, its vector flags and the load average; compare only ratios
+both. ``--compare-src OTHER/src`` runs the plugin a second time from another checkout in the same
+throughput run (before/after a change, side by side). Every record carries the CPU model, its vector flags and the load average; compare only ratios
 from one run.
 """
 
@@ -48,6 +49,13 @@ def cpu_flags() -> list[str]:
         return []
     flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
     return [f for f in wanted if f in flags]
+
+
+def git_head(folder: Path) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip()
 
 
 def child(job: dict) -> dict:
@@ -117,8 +125,15 @@ def child(job: dict) -> dict:
 
 
 def run_child(job: dict) -> dict:
+    env = dict(os.environ)
+    if job.get("src"):  # the plugin from another checkout (a before/after of one change, one run)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (job["src"], env.get("PYTHONPATH")) if p)
     done = subprocess.run(
-        [sys.executable, __file__, "child", json.dumps(job)], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "child", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -147,6 +162,11 @@ def main() -> None:
     parser.add_argument(
         "--chat-prompt", type=int, default=40, help="chat: prompts cut to this many tokens (0: whole)"
     )
+    parser.add_argument(
+        "--compare-src",
+        default=None,
+        help="throughput: also run the plugin from this src folder (another checkout: before/after)",
+    )
     parser.add_argument("--out", required=False)
     args = parser.parse_args()
     if args.kind == "child":
@@ -160,11 +180,16 @@ def main() -> None:
         parser.error(f"--modes {args.modes!r}: each mode is eager or compiled")
     records = []
     loads = {"loadavg_start": os.getloadavg()}
+    if args.compare_src:  # which commit each plugin run is, beside its src
+        base["commits"] = {"main": git_head(ROOT), "compare_src": git_head(Path(args.compare_src))}
     if args.kind == "throughput":
         for t, mode in ((int(x), m) for x in args.lengths.split(",") for m in modes):
             for _ in range(args.rounds):
-                for policy in ("plain", args.policy):  # alternating, same layout
+                engines = [("plain", None), (args.policy, None)]
+                engines += [(args.policy, args.compare_src)] if args.compare_src else []
+                for policy, src in engines:  # alternating, same layout
                     job = {
+                        "src": src,
                         **base,
                         "mode": mode,
                         "policy": policy,
