@@ -150,6 +150,7 @@ class PagedView:
         self.sorted_positions = raw.gather(-1, order).masked_fill(~self.valid[None, :, None, :], -1).long()
         self.view_slots = slots[None, :, None, :].expand_as(order).gather(-1, order)
         self.buffers = {name: self._gather(buf) for name, buf in store.buffers.items()}
+        self._offsets: dict[tuple[int, str], torch.Tensor] = {}
 
     def _gather(self, table: torch.Tensor) -> torch.Tensor:
         g = torch.arange(table.shape[0])[:, None, None, None]
@@ -173,12 +174,22 @@ class PagedView:
         return part if shards is None else shards.gather(part.contiguous(), 1)
 
     def keys(self, layer: int) -> torch.Tensor:
-        paged = self._store.paged  # holds the evicting layers only, in order
-        return self._whole(paged.keys(self.layers.index(layer), self._head_slots(layer)).float())
+        return self._read(layer, "key")
 
     def values(self, layer: int) -> torch.Tensor:
-        paged = self._store.paged
-        return self._whole(paged.values(self.layers.index(layer), self._head_slots(layer)).float())
+        return self._read(layer, "value")
+
+    def _read(self, layer: int, part: str) -> torch.Tensor:
+        """Keys or values of ``layer``; their page offsets are computed once per view when every
+        layer shares one order (a policy reads every layer: Seg's key variance), else per layer."""
+        paged = self._store.paged  # holds the evicting layers only, in order
+        group = self._group(layer)
+        offsets = self._offsets.get((group, part))
+        if offsets is None:
+            offsets = paged.offsets(self._head_slots(layer), part)
+            if self._store.groups == 1:
+                self._offsets[(group, part)] = offsets
+        return self._whole(paged.read(self.layers.index(layer), offsets).float())
 
     def positions(self, layer: int | None = None) -> torch.Tensor:
         return self.sorted_positions[self._group(self.layers[0] if layer is None else layer)]

@@ -139,17 +139,23 @@ class PagedKV:
 
     def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Keys of ``layer`` at global slots (..., H, L), one row of slots per KV head -> (..., H, L, D)."""
-        return self._read(layer, slots, self.layout.key)
+        return self.read(layer, self.offsets(slots, "key"))
 
     def values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Values of ``layer`` at global slots (..., H, L) -> (..., H, L, D)."""
-        return self._read(layer, slots, self.layout.value)
+        return self.read(layer, self.offsets(slots, "value"))
 
-    def _read(self, layer: int, slots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def offsets(self, slots: torch.Tensor, part: str) -> torch.Tensor:
+        """Element offsets of the keys (``part`` "key") or values of global slots (..., H, L) in
+        every layer but for the layer's own base, (..., H, L, D): computed once, read per layer."""
         block, token = self._page(slots)
         head = torch.arange(self.num_heads)[:, None] * self.head_stride  # (H, 1)
-        base = self.layer_base[layer] + block + head
-        return self.flat[base[..., None] + table[token]]
+        table = self.layout.key if part == "key" else self.layout.value
+        return (block + head)[..., None] + table[token]
+
+    def read(self, layer: int, offsets: torch.Tensor) -> torch.Tensor:
+        """What :meth:`offsets` addresses, in ``layer``."""
+        return self.flat[offsets + self.layer_base[layer]]
 
     # -- moving ------------------------------------------------------------------------------------
     def move(
