@@ -12,8 +12,8 @@ vLLM): how many ran at once, preemptions, and whether all finished. ``chat``: sh
 prompts, ``--chat-tokens`` new tokens each) in a fixed pool of ``--chat-blocks`` blocks: how many ran
 at once under each engine. ``--modes`` runs each job in eager mode, vLLM's default compiled mode, or
 both. ``--compare-src OTHER/src`` runs the plugin a second time from another checkout in the same
-throughput run (before/after a change, side by side). Every record carries the CPU model, its vector flags and the load average; compare only ratios
-from one run.
+throughput run (before/after a change, side by side). Every record carries the CPU model, its
+vector flags and the load average; compare only ratios from one run.
 """
 
 from __future__ import annotations
