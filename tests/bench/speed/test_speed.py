@@ -35,6 +35,16 @@ def test_probe_times_every_compaction(tiny_pair):
     assert len(trace.step_s) == 40 and max(trace.slots) <= 48 + 4
 
 
+def test_a_timed_decode_asks_for_no_more_tokens_than_the_model_holds(tiny_pair, caplog):
+    """The request's cap is the decode length (plus two), not a huge number the engine warns about."""
+    model, tok = tiny_pair
+    ids = prompt_loading.encode_prompt(tok, "Ann has 3 apples and buys 2 more.")
+    with caplog.at_level("WARNING"):
+        trace = speed.timed_decode(model, ids, "streaming", 48, 20, interval=4)
+    assert len(trace.step_s) == 20
+    assert not [r for r in caplog.records if "context" in r.getMessage()]
+
+
 def test_document_reports_each_policy(speed_doc):
     results = speed_doc["results"]
     assert results["missing_policies"] == ["no-such-policy"]

@@ -125,11 +125,12 @@ class PolicyDecode:
         budget: int | None,
         interval: int | None = None,
         attention: str = "eager",
+        tokens: int = 1 << 30,
     ) -> None:
         spec = build_spec(model, policy, budget, interval=interval, attention=attention)
         self.engine = Engine(model, spec)
-        # EOS ignored and a cap no run reaches: the decode length is the caller's.
-        self.request = Request(input_ids[0].tolist(), 1 << 30)
+        # EOS ignored; ``tokens`` is the cap, past what the caller decodes (the request never ends)
+        self.request = Request(input_ids[0].tolist(), tokens)
         self.policy = policy
         self.sync = machine.synchronizer(input_ids.device)
         self.probe = _CacheProbe(self.engine.cache, self.sync)
@@ -176,7 +177,7 @@ def timed_decode(
 ) -> DecodeTrace:
     """Prefill, then ``tokens`` greedy steps ignoring EOS, timing every step; ``on_finish(cache)``
     may inspect the cache at the end (its answer is kept in ``trace.extra``)."""
-    run = PolicyDecode(model, input_ids, policy, budget, interval, attention)
+    run = PolicyDecode(model, input_ids, policy, budget, interval, attention, tokens + 2)
     run.prefill()
     run.advance(tokens)
     return run.finish(on_finish)
@@ -194,7 +195,9 @@ def interleaved(
     given, advances by the steps each turn decodes)."""
     reporter = reporter or documents.Reporter()
     runs = {
-        p: PolicyDecode(model, input_ids, p, budget_of(config, p), config.interval, config.attention)
+        p: PolicyDecode(
+            model, input_ids, p, budget_of(config, p), config.interval, config.attention, config.tokens + 2
+        )
         for p in policies
     }
     for run in runs.values():
