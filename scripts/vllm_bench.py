@@ -163,6 +163,9 @@ def main() -> None:
         "--chat-prompt", type=int, default=40, help="chat: prompts cut to this many tokens (0: whole)"
     )
     parser.add_argument(
+        "--skip-plain", action="store_true", help="throughput: the plugin only (a peer elsewhere)"
+    )
+    parser.add_argument(
         "--compare-src",
         default=None,
         help="throughput: also run the plugin from this src folder (another checkout: before/after)",
@@ -185,7 +188,8 @@ def main() -> None:
     if args.kind == "throughput":
         for t, mode in ((int(x), m) for x in args.lengths.split(",") for m in modes):
             for _ in range(args.rounds):
-                engines = [("plain", None), (args.policy, None)]
+                engines = [] if args.skip_plain else [("plain", None)]
+                engines += [(args.policy, None)]
                 engines += [(args.policy, args.compare_src)] if args.compare_src else []
                 for policy, src in engines:  # alternating, same layout
                     job = {
