@@ -174,3 +174,21 @@ def test_recomputed_queries_are_the_models_own(arch_model):
     for index in range(len(layers)):
         ours = project_queries(model, spec, index, entering[index], positions)
         torch.testing.assert_close(ours, RECORDED_QUERIES[index], rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_signals_own_only_the_last_row(tiny_llama):
+    """At prefill the band states handed to the policy are the last prompt row in storage of their
+    own: a view would hold each band layer's whole (B, P, hidden) output through the forward and in
+    the policy's state (measured on an H200: +2 x P x hidden x 2 B at peak, 2 GiB at 128k on 8B)."""
+    prompt = torch.arange(1, 49)[None]
+    seen = []
+    with epikv.attach(tiny_llama, "epikv", budget=64, band_a=1, band_b=2) as cache:
+        end_step = cache.end_step
+        cache.end_step = lambda signals: (seen.append(signals), end_step(signals))[1]
+        tiny_llama(input_ids=prompt, **cache_kwargs(tiny_llama, cache), use_cache=True)
+    assert seen and seen[0].prefill and sorted(seen[0].hidden) == [1, 2]
+    for h in seen[0].hidden.values():
+        assert h.shape[:2] == (1, 1)
+        assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    for kept in (cache.state.prev_a, cache.state.prev_b):  # what the policy keeps to the next step
+        assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()

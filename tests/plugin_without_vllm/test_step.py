@@ -74,3 +74,22 @@ def test_a_prefix_cache_hit_starts_the_books_holding_the_cached_prompt():
     s.after_update([NewRequest("hit", 40, 32, 10, None)])
     books = s.requests.records["hit"].books
     assert books.held == [32] and books.seen.tolist() == [32] and books.prompt_len.tolist() == [40]
+
+
+class _Store:
+    def write_buffer(self, name, slots, value) -> None:
+        pass
+
+
+def test_a_prefill_keeps_the_last_row_not_a_view_of_the_batch():
+    """The policy's state after a prompt chunk holds its last band states in storage of their own,
+    not views that keep the step's whole (tokens, hidden) batch of states alive."""
+    s = state("epikv", 64)
+    s.after_update([NewRequest("a", 20, 0, 10, None)])
+    s.store = _Store()
+    aux = {a - 1: torch.randn(64, MODEL.hidden_size) for a in s.aux_layers}
+    s._prefill("a", aux, torch.arange(20), torch.arange(20), 19)
+    kept = s.requests.records["a"].state
+    for h, layer in ((kept.prev_a, s.spec.policy.band_a), (kept.prev_b, s.spec.policy.band_b)):
+        assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+        torch.testing.assert_close(h, aux[layer][19:20])

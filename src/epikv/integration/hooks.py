@@ -175,9 +175,10 @@ class Attachment:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if self._step is not None:
                 hidden = (output[0] if isinstance(output, tuple) else output).detach()
-                # At prefill only the last prompt row is kept: policies read nothing else there,
-                # and holding the whole (B, P, hidden) output would add to peak prefill memory.
-                self._hidden[index] = hidden[:, -1:] if self._step[3] else hidden
+                # At prefill only the last prompt row is kept: policies read nothing else there.
+                # A copy, not a view: a view holds the whole (B, P, hidden) output to the end of the
+                # forward (and, in a policy's state, past it): 2 x P x hidden more at peak.
+                self._hidden[index] = hidden[:, -1:].clone() if self._step[3] else hidden
 
         return hook
 

@@ -238,8 +238,8 @@ class EpiKVWorkerState(RowCompactions):
         """A prompt chunk of one request: the policy sees its last state (epikv's prefill signal)."""
         record = self.requests.records[req_id]
         q = slots.shape[0]
-        signals = StepSignals(
-            hidden={layer: h[None, last : last + 1] for layer, h in hidden.items()},
+        signals = StepSignals(  # a copy of the last row: a view would hold the whole batch's states
+            hidden={layer: h[None, last : last + 1].clone() for layer, h in hidden.items()},
             valid=torch.ones(1, q, dtype=torch.bool),
             positions=positions[None],
             prefill=True,
