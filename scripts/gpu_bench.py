@@ -4,15 +4,20 @@ No weights and no network are needed: each model is randomly initialised from it
 (the DeepSeek R1-Distill-Qwen-1.5B and R1-Distill-Llama-8B shapes below), in bfloat16. Memory and
 speed do not depend on the weights' values; accuracy does, and is not measured here.
 
-    python scripts/gpu_bench.py --out "$OUT"                      # on the GPU machine (< 8 min)
+    python scripts/gpu_bench.py --out /tmp/g && tar czf "$OUT/g.tar.gz" -C /tmp g  # GPU, < 9 min
     python scripts/gpu_bench.py --device cpu --tiny --out /tmp/g  # the CPU path, in seconds
+
+(the device tool returns at most 8 files: hence the tarball.)
 
 Runs, in priority order:
 1. memory of one forward pass vs length for every model (three paths, ``--cap-gb`` emulates an
    80 GB card as in the paper's Fig. 1), to each path's out-of-memory boundary;
 2. decode speed for full / epikv / h2o (eager attention) at each budget K (every model at the
    smallest K first), forced K + ``--extra`` tokens; a run starts only if the time left before
-   ``--deadline-s`` covers its estimate (``--step-ms`` per decode step).
+   ``--deadline-s`` covers its estimate (``--step-ms`` per decode step: 40 ms measured on an H200);
+3. after each speed run, ``--profile-steps`` steps of each policy under torch's profiler, after
+   each of ``--profile-at`` decode steps: where a step's host and device time go
+   (``OUT/<model>/K<k>/profile.json``). On an H200 a ``full`` step took 62 ms on both models.
 Every result is written as soon as it exists (``OUT/<model>/memory.json``,
 ``OUT/<model>/K<k>/speed.json``, with PNGs), and ``OUT/summary.json`` lists what ran and what was
 skipped for time.
@@ -31,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch
 
 from epikv.bench.memory.study import MemoryConfig, plot_memory, run_memory
-from epikv.bench.shared import documents, machine, model_loading
-from epikv.bench.speed.study import SpeedConfig, plot_speed, run_speed
+from epikv.bench.shared import documents, machine, model_loading, prompt_loading
+from epikv.bench.speed.study import PolicyDecode, SpeedConfig, budget_of, plot_speed, run_speed
 
 # Public config.json shapes; rope and norm details left at transformers' defaults (no weights).
 CONFIGS = {
@@ -63,8 +68,10 @@ CONFIGS = {
     ),
 }
 TINY = {"tiny-llama": dict(model_loading.RANDOM_PRESETS["tiny-llama"])}
-FULL_SIZES = dict(budgets="1024,2048,4096", extra=2048, min_length=1024, max_length=131072, step_ms=30.0)
-TINY_SIZES = dict(budgets="128", extra=32, min_length=64, max_length=256, step_ms=5.0)
+FULL_SIZES = dict(
+    budgets="1024,2048,4096", extra=1024, min_length=1024, max_length=131072, step_ms=40.0, profile_at="64"
+)
+TINY_SIZES = dict(budgets="128", extra=32, min_length=64, max_length=256, step_ms=5.0, profile_at="8,24")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,13 +81,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a 4-layer model and small sizes (tests the CPU path)")
     p.add_argument("--models", default=None, help="comma-separated names from CONFIGS (default: all)")
     p.add_argument("--budgets", default=None, help="comma-separated K (default 1024,2048,4096)")
-    p.add_argument("--extra", type=int, default=None, help="decode steps after the cache reaches K (2048)")
+    p.add_argument("--extra", type=int, default=None, help="decode steps after the cache reaches K (1024)")
     p.add_argument("--policies", default="full,epikv,h2o")
     p.add_argument("--min-length", type=int, default=None, help="first memory length (1024)")
     p.add_argument("--max-length", type=int, default=None, help="last memory length (131072)")
     p.add_argument("--cap-gb", type=float, default=80.0, help="emulated accelerator size for memory")
     p.add_argument("--deadline-s", type=float, default=450.0, help="stop starting runs after this")
-    p.add_argument("--step-ms", type=float, default=None, help="assumed decode step time (30 ms)")
+    p.add_argument("--step-ms", type=float, default=None, help="assumed decode step time (40 ms)")
+    p.add_argument("--profile-steps", type=int, default=8, help="steps profiled per policy and K (0: none)")
+    p.add_argument("--profile-at", default=None, help="decode steps before each profiled window (64)")
     args = p.parse_args(argv)
     sizes = TINY_SIZES if args.tiny else FULL_SIZES
     for name, value in sizes.items():
@@ -146,6 +155,59 @@ def speed_run(
     )
 
 
+def profile_run(
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: model_loading.ByteTokenizer,
+    budget: int,
+    args: argparse.Namespace,
+) -> None:
+    """Where a decode step's time goes, per policy: ``--profile-steps`` steps under torch's profiler
+    after each of ``--profile-at`` decode steps (the same prompt as the speed run), the ops with the
+    most self time on the host and on the device, and the runtime calls that wait or allocate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config = SpeedConfig(model=f"random:{name}", budget=budget, device=args.device, chat=False)
+    text = prompt_loading.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
+    ids = prompt_loading.encode_prompt(tokenizer, text, False).to(args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    marks = sorted(int(m) for m in args.profile_at.split(","))
+    out: dict = {"budget": budget, "steps": args.profile_steps, "at": marks, "policies": {}}
+    for policy in args.policies.split(","):
+        run = PolicyDecode(model, ids, policy, budget_of(config, policy), None, "eager", marks[-1] + 64)
+        run.prefill()
+        done, windows = 0, []
+        for mark in marks:
+            run.advance(mark - done)
+            with profile(activities=activities) as prof:
+                run.advance(args.profile_steps)
+            done = mark + args.profile_steps
+            step_ms = [1000 * t for t in run.trace.step_s[-args.profile_steps :]]
+            windows.append({"at": mark, "slots": run.trace.slots[-1], "step_ms": step_ms, **_top(prof)})
+        out["policies"][policy] = windows
+        del run
+        _free(args)
+    path = Path(args.out, name, f"K{budget}", "profile.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _top(prof: object, n: int = 12) -> dict:
+    rows = prof.key_averages()  # type: ignore[attr-defined]
+    runtime = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
+
+    def table(key: str) -> list:
+        ranked = sorted(rows, key=lambda r: -getattr(r, key, 0.0))[:n]
+        return [[r.key, r.count, round(getattr(r, key) / 1000, 3)] for r in ranked if getattr(r, key, 0.0)]
+
+    return {
+        "host_ms": table("self_cpu_time_total"),
+        "device_ms": table("self_device_time_total"),
+        "runtime_calls": {r.key: r.count for r in rows if r.key in runtime},
+        "ops": sum(r.count for r in rows if r.key.startswith("aten::")),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -166,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     built: tuple[str, torch.nn.Module, model_loading.ByteTokenizer] | None = None
     for budget in (int(k) for k in args.budgets.split(",")):
         for name in names:  # every model at the smallest K first: the deadline cuts the largest K
-            estimate = len(args.policies.split(",")) * (budget + args.extra) * args.step_ms / 1000
+            steps = budget + args.extra
+            if args.profile_steps:
+                steps += max(int(m) for m in args.profile_at.split(",")) + args.profile_steps
+            estimate = len(args.policies.split(",")) * steps * args.step_ms / 1000
             if time.perf_counter() - started + estimate > args.deadline_s:
                 record({"model": name, "run": f"speed K={budget}", "skipped": f"needs ~{estimate:.0f} s"})
                 continue
@@ -176,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                 built = (name, *build(name, configs[name], args.device))
             speed_run(name, built[1], built[2], budget, args)
             record({"model": name, "run": f"speed K={budget}"})
+            if args.profile_steps:
+                profile_run(name, built[1], built[2], budget, args)
+                record({"model": name, "run": f"profile K={budget}"})
     print(json.dumps(log, indent=1))
     return 0
 

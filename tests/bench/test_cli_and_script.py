@@ -66,12 +66,19 @@ def test_gpu_script_cpu_path(tmp_path):
                 "8",
                 "--max-length",
                 "128",
+                "--profile-steps",
+                "2",
             ]
         )
         == 0
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [r["run"] for r in summary["runs"]] == ["memory", "speed K=128"]
+    assert [r["run"] for r in summary["runs"]] == ["memory", "speed K=128", "profile K=128"]
+    profiled = json.loads((tmp_path / "tiny-llama" / "K128" / "profile.json").read_text())
+    assert list(profiled["policies"]) == ["full", "streaming"] and profiled["at"] == [8, 24]
+    for windows in profiled["policies"].values():
+        assert [len(w["step_ms"]) for w in windows] == [2, 2] and all(w["ops"] > 0 for w in windows)
+        assert windows[0]["host_ms"][0][1] > 0  # the op with the most host time ran at least once
     speed = documents.read_result(tmp_path / "tiny-llama" / "K128" / "speed.json", "speed")
     assert speed["results"]["policies"]["streaming"]["within_bound"] is True
     memory = documents.read_result(tmp_path / "tiny-llama" / "memory.json", "memory")
