@@ -150,30 +150,30 @@ def speed_run(
         bin_size=128,
         chat=False,
     )
-    plot_speed(
-        documents.write_result(run_speed(config, model, tokenizer), Path(args.out) / name / f"K{budget}")
-    )
+    out = Path(args.out) / name / f"K{budget}"
+    plot_speed(documents.write_result(run_speed(config, model, tokenizer), out))
+    if args.profile_steps:
+        profile_run(config, model, tokenizer, args, out / "profile.json")
 
 
 def profile_run(
-    name: str,
+    config: SpeedConfig,
     model: torch.nn.Module,
     tokenizer: model_loading.ByteTokenizer,
-    budget: int,
     args: argparse.Namespace,
+    path: Path,
 ) -> None:
     """Where a decode step's time goes, per policy: ``--profile-steps`` steps under torch's profiler
-    after each of ``--profile-at`` decode steps (the same prompt as the speed run), the ops with the
+    after each of ``--profile-at`` decode steps (the speed run's prompt and K), the ops with the
     most self time on the host and on the device, and the runtime calls that wait or allocate."""
     from torch.profiler import ProfilerActivity, profile
 
-    config = SpeedConfig(model=f"random:{name}", budget=budget, device=args.device, chat=False)
     text = prompt_loading.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
     ids = prompt_loading.encode_prompt(tokenizer, text, False).to(args.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     marks = sorted(int(m) for m in args.profile_at.split(","))
-    out: dict = {"budget": budget, "steps": args.profile_steps, "at": marks, "policies": {}}
-    for policy in args.policies.split(","):
+    out: dict = {"budget": config.budget, "steps": args.profile_steps, "at": marks, "policies": {}}
+    for policy in config.policies:
         run = PolicyDecode(model, ids, policy, budget_of(config, policy), None, "eager", marks[-1] + 64)
         run.prefill()
         done, windows = 0, []
@@ -187,8 +187,6 @@ def profile_run(
         out["policies"][policy] = windows
         del run
         _free(args)
-    path = Path(args.out, name, f"K{budget}", "profile.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
 
 
@@ -240,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 _free(args)
                 built = (name, *build(name, configs[name], args.device))
             speed_run(name, built[1], built[2], budget, args)
-            record({"model": name, "run": f"speed K={budget}"})
-            if args.profile_steps:
-                profile_run(name, built[1], built[2], budget, args)
-                record({"model": name, "run": f"profile K={budget}"})
+            record({"model": name, "run": f"speed K={budget}" + (" + profile" if args.profile_steps else "")})
     print(json.dumps(log, indent=1))
     return 0
 

@@ -73,7 +73,7 @@ def test_gpu_script_cpu_path(tmp_path):
         == 0
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [r["run"] for r in summary["runs"]] == ["memory", "speed K=128", "profile K=128"]
+    assert [r["run"] for r in summary["runs"]] == ["memory", "speed K=128 + profile"]
     profiled = json.loads((tmp_path / "tiny-llama" / "K128" / "profile.json").read_text())
     assert list(profiled["policies"]) == ["full", "streaming"] and profiled["at"] == [8, 24]
     for windows in profiled["policies"].values():
