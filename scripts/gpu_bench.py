@@ -95,6 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.profile_at = sorted(int(m) for m in str(args.profile_at).split(","))
     if args.tiny:
         args.cap_gb = None
     return args
@@ -171,7 +172,7 @@ def profile_run(
     text = prompt_loading.load_prompts(config.prompt_source, 1, config.prompt_index)[0]
     ids = prompt_loading.encode_prompt(tokenizer, text, False).to(args.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    marks = sorted(int(m) for m in args.profile_at.split(","))
+    marks = args.profile_at
     out: dict = {"budget": config.budget, "steps": args.profile_steps, "at": marks, "policies": {}}
     for policy in config.policies:
         run = PolicyDecode(model, ids, policy, budget_of(config, policy), None, "eager", marks[-1] + 64)
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:  # every model at the smallest K first: the deadline cuts the largest K
             steps = budget + args.extra
             if args.profile_steps:
-                steps += max(int(m) for m in args.profile_at.split(",")) + args.profile_steps
+                steps += args.profile_at[-1] + args.profile_steps
             estimate = len(args.policies.split(",")) * steps * args.step_ms / 1000
             if time.perf_counter() - started + estimate > args.deadline_s:
                 record({"model": name, "run": f"speed K={budget}", "skipped": f"needs ~{estimate:.0f} s"})
