@@ -153,3 +153,30 @@ def test_a_cell_with_only_skips_so_far_is_a_row_of_dashes():
     line = cells_table({"gsm8k/epikv@K192 [engine]": row})[-1]
     assert line.startswith("| gsm8k/epikv@K192 [engine] | epikv | – | 0 / 128 | 1 |")
     assert line.endswith("| – | – | – |")
+
+
+def test_the_headline_pairs_use_every_problem_both_cells_ran_not_the_levels_common_set(tmp_path):
+    arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv", "h2o", "tova"),
+              peak=228, peak_policies=("h2o",))  # fmt: skip
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6, budget_problems=6)
+    segq = "gsm8k/epikv@K100"
+    against = [b for a, b in study.headline(arm) if a == segq]
+    assert against == ["gsm8k/full@full", "gsm8k/h2o@K100", "gsm8k/h2o@K227"]
+    assert len(study.headline(arm)) == 3
+    cells = {c.name: c for c in study.cells()}
+    ids = [e.id for e in load_task("gsm8k:shuffle=0").slice(0, 6)]
+    _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 1, 1, 0, 0])
+    _write(study, cells["gsm8k/epikv@K100"], tmp_path, [1, 0, 1, 1, 0, 1], skipped=(ids[2],))
+    _write(study, cells["gsm8k/h2o@K100"], tmp_path, [0, 0, 0, 0, 0, 0], tau=1)
+    _write(study, cells["gsm8k/tova@K100"], tmp_path, [1, 1], tau=1)  # only the first two so far
+    result = summarize(study, str(tmp_path), frozenset())
+    assert result["arms"]["gsm8k"]["levels"]["100"]["n"] == 2  # the level waits for tova
+    block = result["arms"]["gsm8k"]["headline"]
+    assert block["family"].startswith("2 headline comparisons")  # h2o@K227 has not run: no pair
+    vs_full, vs_h2o = block["tests"]
+    assert (vs_full["n"], vs_full["a_only"], vs_full["b_only"], vs_full["excluded"]) == (5, 1, 1, [ids[2]])
+    assert (vs_h2o["n"], vs_h2o["a_only"], vs_h2o["b_only"]) == (5, 3, 0)  # epikv right on ids 0, 3, 5
+    assert vs_h2o["p"] == pytest.approx(0.25)  # exact McNemar, 3 against 0: 2 * 0.5**3
+    assert vs_h2o["p_holm"] == pytest.approx(min(1.0, 2 * 0.25)) and vs_full["p_holm"] == 1.0
+    assert vs_h2o["accuracy"]["gsm8k/epikv@K100"]["k"] == 3 and vs_h2o["accuracy"]["gsm8k/h2o@K100"]["k"] == 0
+    assert "| gsm8k/epikv@K100 | gsm8k/h2o@K100 | 5 | 60.0" in markdown(result)

@@ -119,6 +119,23 @@ class Study:
         out += self.noise_cells()
         return out
 
+    def headline(self, arm: Arm) -> list[tuple[str, str]]:
+        """The paper's headline comparisons on ``arm``, as pairs of cell names (declared
+        2026-12-06, once the first cells had run): Seg-Q at the main K against ``full`` (does a
+        budget keep the answers?), against H2O at the same K (the paper's comparison) and against
+        H2O at Seg-Q's peak memory (K + tau). Each is tested on every problem both of its cells
+        ran, so it can be read before every cell of its budget level is complete."""
+        if not arm.budgets or "epikv" not in arm.policies:
+            return []
+        k = arm.budgets[0]
+        segq = f"{arm.name}/epikv@K{k}"
+        pairs = [(segq, f"{arm.name}/full@full")]
+        if "h2o" in arm.policies:
+            pairs.append((segq, f"{arm.name}/h2o@K{k}"))
+        if arm.peak is not None and "h2o" in arm.peak_policies:
+            pairs.append((segq, f"{arm.name}/h2o@K{arm.peak - interval('h2o')}"))
+        return pairs
+
     def noise_cells(self) -> list[Cell]:
         """The first GSM8K cells again with nothing but the arithmetic changed: vLLM eager instead
         of compiled (``full``), epikv's engine instead of vLLM and another batch size (Seg-Q at the

@@ -89,6 +89,19 @@ def level_tables(title: str, level: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def headline_table(block: dict[str, Any]) -> list[str]:
+    lines = [f"### Headline comparisons ({block['family']})", "",
+             "| cell | against | problems | accuracy % | against: accuracy % | cell only / against only "
+             "| p | p (Holm) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for t in block["tests"]:
+        lines.append(
+            f"| {t['a']} | {t['b']} | {t['n']} | {_pct(t['accuracy'][t['a']], True)} | "
+            f"{_pct(t['accuracy'][t['b']], True)} | {t['a_only']} / {t['b_only']} | {_p(t['p'])} | "
+            f"{_p(t['p_holm'])} |"
+        )
+    return [*lines, ""]
+
+
 def noise_table(noise: dict[str, Any]) -> list[str]:
     lines = ["| noise cell | against | problems | verdict changed % [95% CI] | identical token streams |",
              "|---|---|---|---|---|"]  # fmt: skip
@@ -116,6 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"the study runs {rule['chosen']}."
             )
             lines.append("")
+        if data.get("headline"):
+            lines += headline_table(data["headline"])
         for k, level in data["levels"].items():
             lines += level_tables(f"{arm} at K = {k}", level)
         for peak, level in data["equal_peak"].items():

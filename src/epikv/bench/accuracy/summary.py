@@ -8,6 +8,8 @@ paired on those problems (exact McNemar), Holm-adjusted within a named family; w
 lost accuracy is made of (problems ``full`` solves and the policy does not: how many of them loop
 or hit the cap); and the same pairs at equal peak memory (K + tau equal). The noise cells give the
 floor: how often a verdict changes when only the engine, the compile mode or the batch changes.
+The paper's headline pairs (``Study.headline``) are tested on every problem both of their cells
+ran, a family of their own, so that they can be read before a whole budget level is complete.
 
 Owns the statistics; the design is ``design.py``'s and the reading of run folders the eval's.
 """
@@ -141,6 +143,21 @@ def level(cells: Sequence[CellData], full: CellData) -> dict[str, Any]:
     return out
 
 
+def headline(pairs: Sequence[tuple[CellData, CellData]]) -> dict[str, Any]:
+    """The headline pairs (``Study.headline``), each on every problem both of its cells ran (a
+    problem either skipped is out), correct, Holm within these pairs."""
+    tests = []
+    for a, b in pairs:
+        ids, excluded = common_ids([a, b])
+        if ids:
+            accuracy = {c.cell.name: _rate([c.facts[i]["correct"] for i in ids]) for c in (a, b)}
+            tests.append(paired(a, b, ids) | {"excluded": excluded, "accuracy": accuracy})
+    for row, p in zip(tests, holm([r["p"] for r in tests]), strict=True):
+        row["p_holm"] = p
+    family = f"{len(tests)} headline comparisons, each on the problems both cells ran, correct, Holm"
+    return {"family": family, "tests": tests}
+
+
 def noise(cell: CellData, base: CellData) -> dict[str, Any]:
     """A noise cell against the main cell it repeats: verdicts and token streams that changed."""
     ids = [i for i in cell.order if i in cell.records and i in base.records]
@@ -175,6 +192,9 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
             same = [d for d in mine if d.peak == peak]
             if len(same) > 1:
                 arm_out["equal_peak"][str(peak)] = level(same, full)
+        pairs = [(data[a], data[b]) for a, b in study.headline(arm) if data[a].records and data[b].records]
+        if pairs:
+            arm_out["headline"] = headline(pairs)
         result["arms"][arm.name] = arm_out
     for cell in study.noise_cells():
         base = next(d for d in data.values() if not d.cell.tag and (d.cell.arm, d.cell.policy,
