@@ -167,7 +167,7 @@ def test_the_headline_pairs_use_every_problem_both_cells_ran_not_the_levels_comm
     ids = [e.id for e in load_task("gsm8k:shuffle=0").slice(0, 6)]
     _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 1, 1, 0, 0])
     _write(study, cells["gsm8k/epikv@K100"], tmp_path, [1, 0, 1, 1, 0, 1], skipped=(ids[2],))
-    _write(study, cells["gsm8k/h2o@K100"], tmp_path, [0, 0, 0, 0, 0, 0], tau=1)
+    _write(study, cells["gsm8k/h2o@K100"], tmp_path, [0, 0, 0, 0, 0, 0], looping=(ids[0],), tau=1)
     _write(study, cells["gsm8k/tova@K100"], tmp_path, [1, 1], tau=1)  # only the first two so far
     result = summarize(study, str(tmp_path), frozenset())
     assert result["arms"]["gsm8k"]["levels"]["100"]["n"] == 2  # the level waits for tova
@@ -179,4 +179,10 @@ def test_the_headline_pairs_use_every_problem_both_cells_ran_not_the_levels_comm
     assert vs_h2o["p"] == pytest.approx(0.25)  # exact McNemar, 3 against 0: 2 * 0.5**3
     assert vs_h2o["p_holm"] == pytest.approx(min(1.0, 2 * 0.25)) and vs_full["p_holm"] == 1.0
     assert vs_h2o["accuracy"]["gsm8k/epikv@K100"]["k"] == 3 and vs_h2o["accuracy"]["gsm8k/h2o@K100"]["k"] == 0
-    assert "| gsm8k/epikv@K100 | gsm8k/h2o@K100 | 5 | 60.0" in markdown(result)
+    assert block["lost"]["gsm8k/h2o@K100"] == {
+        "n": 6, "lost": 4, "gained": 0, "loop": 1, "near_loop": 1, "cap_hit": 1, "loop_or_cap": 1
+    }  # fmt: skip
+    assert block["lost"]["gsm8k/epikv@K100"]["n"] == 5 and block["lost"]["gsm8k/epikv@K100"]["lost"] == 1
+    text = markdown(result)
+    assert "| gsm8k/epikv@K100 | gsm8k/h2o@K100 | 5 | 60.0" in text
+    assert "| gsm8k/h2o@K100 | 6 | 4 | 0 | 1 |" in text

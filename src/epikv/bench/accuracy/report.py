@@ -99,6 +99,16 @@ def headline_table(block: dict[str, Any]) -> list[str]:
             f"{_pct(t['accuracy'][t['b']], True)} | {t['a_only']} / {t['b_only']} | {_p(t['p'])} | "
             f"{_p(t['p_holm'])} |"
         )
+    lines += [
+        "", "What the answers each of these cells loses against `full` did (on the problems both ran):", "",
+        "| cell | problems | lost | gained | of lost: exact loop | near loop | cap hit | near loop or cap |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for name, row in block.get("lost", {}).items():
+        lines.append(
+            f"| {name} | {row['n']} | {row['lost']} | {row['gained']} | {row['loop']} | {row['near_loop']} | "
+            f"{row['cap_hit']} | {row['loop_or_cap']} |"
+        )
     return [*lines, ""]
 
 

@@ -195,6 +195,9 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
         pairs = [(data[a], data[b]) for a, b in study.headline(arm) if data[a].records and data[b].records]
         if pairs:
             arm_out["headline"] = headline(pairs)
+            named = dict.fromkeys(c for pair in pairs for c in pair if c is not full)
+            arm_out["headline"]["lost"] = {c.cell.name: lost(c, full, common_ids([c, full])[0]) | {
+                "n": len(common_ids([c, full])[0])} for c in named}  # fmt: skip
         result["arms"][arm.name] = arm_out
     for cell in study.noise_cells():
         base = next(d for d in data.values() if not d.cell.tag and (d.cell.arm, d.cell.policy,
