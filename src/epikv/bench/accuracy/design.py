@@ -195,8 +195,12 @@ DEFAULT_ARMS = (
         policies=("full", *EPIKV_VARIANTS, *BASELINES), second=("epikv", "h2o", "streaming", "keydiff"),
         peak=320, peak_policies=("streaming", "keydiff", "h2o", "epikv-flat"),
     ),
+    # MATH-500's budgets by the same rule, from its `full` cell's first 96 problems (median 564.5
+    # tokens); its baselines chosen on GSM8K's first 128 (not on MATH-500): SnapKV and R-KV (tied
+    # best at K = 192), H2O (the paper's comparison) and KeyDiff (best at equal peak, 320).
     Arm(
-        name="math500", dataset="math500:shuffle=0", problems=200, max_new_tokens=1024, budgets=(),
-        policies=("full",),
+        name="math500", dataset="math500:shuffle=0", problems=200, max_new_tokens=1024, budgets=(288, 416),
+        policies=("full", "epikv", "h2o", "snapkv", "rkv", "keydiff"), second=("epikv", "h2o"),
+        peak=416, peak_policies=("h2o",),
     ),
 )  # fmt: skip
