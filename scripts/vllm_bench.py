@@ -175,7 +175,9 @@ def main() -> None:
     if args.kind == "child":
         print("RESULT " + json.dumps(child(json.loads(args.job))), flush=True)
         return
-    model = args.model or str(sorted((Path.home() / ".cache/epikv/models").glob("smollm2-135m-*"))[-1])
+    from epikv.models.loading import model_source  # the embedded model's folder, converted once if missing
+
+    model = args.model or model_source(None)
     token_bytes = 30 * 3 * 64 * 2 * (4 if args.dtype == "float32" else 2)
     base = {"model": model, "prompts": str(PROMPTS), "dtype": args.dtype, "token_bytes": token_bytes}
     modes = [m for m in args.modes.split(",") if m]

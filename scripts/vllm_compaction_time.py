@@ -51,7 +51,9 @@ def child(mode: str, tokens: int) -> dict:
         return out
 
     RowCompactions._compact = timed
-    model = str(sorted((Path.home() / ".cache/epikv/models").glob("smollm2-135m-*"))[-1])
+    from epikv.models.loading import model_source  # the embedded model's folder, converted once if missing
+
+    model = model_source(None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     ids = []
