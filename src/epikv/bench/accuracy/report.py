@@ -70,13 +70,7 @@ def level_tables(title: str, level: dict[str, Any]) -> list[str]:
         "Lost accuracy (problems `full` solves and the cell does not) and what those generations did:",
         "",
     ]
-    lines += ["| cell | lost | gained | of lost: exact loop | near loop | cap hit | near loop or cap |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for name, row in level["lost"].items():
-        lines.append(
-            f"| {name} | {row['lost']} | {row['gained']} | {row['loop']} | {row['near_loop']} | "
-            f"{row['cap_hit']} | {row['loop_or_cap']} |"
-        )
+    lines += _lost_table(level["lost"])
     for key in ("pairs", "loops"):
         block = level[key]
         shown = [t for t in block["tests"] if t["p_holm"] < 0.05]
@@ -99,17 +93,23 @@ def headline_table(block: dict[str, Any]) -> list[str]:
             f"{_pct(t['accuracy'][t['b']], True)} | {t['a_only']} / {t['b_only']} | {_p(t['p'])} | "
             f"{_p(t['p_holm'])} |"
         )
-    lines += [
-        "", "What the answers each of these cells loses against `full` did (on the problems both ran):", "",
-        "| cell | problems | lost | gained | of lost: exact loop | near loop | cap hit | near loop or cap |",
-        "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    for name, row in block.get("lost", {}).items():
+    lines += ["", "What the answers each of these cells loses against `full` did (on the problems both ran):"]
+    return [*lines, "", *_lost_table(block["lost"], problems=True), ""]
+
+
+def _lost_table(rows: dict[str, Any], problems: bool = False) -> list[str]:
+    """Lost answers against ``full`` and what those generations did, a row per cell (``problems``:
+    a column for the problems each row is on, where rows differ)."""
+    extra = ("| problems ", "|---") if problems else ("", "")
+    head = "| lost | gained | of lost: exact loop | near loop | cap hit | near loop or cap |"
+    lines = [f"| cell {extra[0]}{head}", f"|---{extra[1]}|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        n = f"| {row['n']} " if problems else ""
         lines.append(
-            f"| {name} | {row['n']} | {row['lost']} | {row['gained']} | {row['loop']} | {row['near_loop']} | "
+            f"| {name} {n}| {row['lost']} | {row['gained']} | {row['loop']} | {row['near_loop']} | "
             f"{row['cap_hit']} | {row['loop_or_cap']} |"
         )
-    return [*lines, ""]
+    return lines
 
 
 def noise_table(noise: dict[str, Any]) -> list[str]:

@@ -143,9 +143,10 @@ def level(cells: Sequence[CellData], full: CellData) -> dict[str, Any]:
     return out
 
 
-def headline(pairs: Sequence[tuple[CellData, CellData]]) -> dict[str, Any]:
+def headline(pairs: Sequence[tuple[CellData, CellData]], full: CellData) -> dict[str, Any]:
     """The headline pairs (``Study.headline``), each on every problem both of its cells ran (a
-    problem either skipped is out), correct, Holm within these pairs."""
+    problem either skipped is out), correct, Holm within these pairs; and what each of their cells
+    but ``full`` lost against ``full``, on the problems the two both ran."""
     tests = []
     for a, b in pairs:
         ids, excluded = common_ids([a, b])
@@ -155,7 +156,11 @@ def headline(pairs: Sequence[tuple[CellData, CellData]]) -> dict[str, Any]:
     for row, p in zip(tests, holm([r["p"] for r in tests]), strict=True):
         row["p_holm"] = p
     family = f"{len(tests)} headline comparisons, each on the problems both cells ran, correct, Holm"
-    return {"family": family, "tests": tests}
+    losses = {}
+    for cell in dict.fromkeys(c for pair in pairs for c in pair if c is not full):
+        ids = common_ids([cell, full])[0]
+        losses[cell.cell.name] = lost(cell, full, ids) | {"n": len(ids)}
+    return {"family": family, "tests": tests, "lost": losses}
 
 
 def noise(cell: CellData, base: CellData) -> dict[str, Any]:
@@ -194,10 +199,7 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
                 arm_out["equal_peak"][str(peak)] = level(same, full)
         pairs = [(data[a], data[b]) for a, b in study.headline(arm) if data[a].records and data[b].records]
         if pairs:
-            arm_out["headline"] = headline(pairs)
-            named = dict.fromkeys(c for pair in pairs for c in pair if c is not full)
-            arm_out["headline"]["lost"] = {c.cell.name: lost(c, full, common_ids([c, full])[0]) | {
-                "n": len(common_ids([c, full])[0])} for c in named}  # fmt: skip
+            arm_out["headline"] = headline(pairs, full)
         result["arms"][arm.name] = arm_out
     for cell in study.noise_cells():
         base = next(d for d in data.values() if not d.cell.tag and (d.cell.arm, d.cell.policy,
