@@ -15,32 +15,13 @@ recorded too (in bf16 they need not).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 import time
 
-from epikv.bench.accuracy.cells import run_cell
+from epikv.bench.accuracy.cells import timed_cell
 from epikv.bench.accuracy.design import Study
 from epikv.bench.shared import machine
-from epikv.eval.records import load_run_results
-
-
-def measure(study: Study, name: str, engine: str, batch: int, problems: int, scratch: str) -> dict:
-    cell = dataclasses.replace(study.find(name), engine=engine, batch_size=batch, problems=problems)
-    before = machine.load_average()
-    started = time.perf_counter()
-    outcome = run_cell(study, cell, scratch, progress=False)
-    records = load_run_results(outcome.folder)
-    seconds = sum(r.seconds for r in records)
-    tokens = sum(r.tokens_generated for r in records)
-    return {
-        "engine": engine, "batch": batch, "problems": len(records), "tokens": tokens,
-        "generate_s": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 2),
-        "wall_s_with_start": round(time.perf_counter() - started, 1), "load_before": before,
-        "load_after": machine.load_average(), "accuracy": outcome.summary.get("accuracy"),
-        "token_ids": {r.id: r.token_ids for r in records},
-    }  # fmt: skip
 
 
 def main() -> None:
@@ -52,11 +33,11 @@ def main() -> None:
     args = parser.parse_args()
     study = Study()
     with tempfile.TemporaryDirectory() as scratch:
-        plugin = measure(study, args.cell, study.engine, study.batch_size, args.problems, scratch + "/v")
-        engine = measure(study, args.cell, "epikv", study.engine_batch, args.problems, scratch + "/e")
+        plugin = timed_cell(study, args.cell, study.engine, study.batch_size, args.problems, scratch + "/v")
+        engine = timed_cell(study, args.cell, "epikv", study.engine_batch, args.problems, scratch + "/e")
         eager = None
         if args.eager:
-            eager = measure(study, args.cell, "vllm", study.batch_size, args.problems, scratch + "/g")
+            eager = timed_cell(study, args.cell, "vllm", study.batch_size, args.problems, scratch + "/g")
     same = sum(plugin["token_ids"][i] == engine["token_ids"].get(i) for i in plugin["token_ids"])
     eager_same = None
     if eager is not None:

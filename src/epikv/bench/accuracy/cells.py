@@ -68,6 +68,31 @@ def estimate_minutes(status: dict[str, Any], statuses: list[dict[str, Any]]) -> 
     return round(status["owed"] * length / speed / 60, 1)
 
 
+def timed_cell(
+    study: Study, name: str, engine: str, batch: int, problems: int, scratch: str
+) -> dict[str, Any]:
+    """Cell ``name``'s first ``problems`` problems generated afresh into ``scratch`` on ``engine`` at
+    ``batch`` (the study's prompts, precision and cap): generated tokens over the generate calls'
+    wall time (start-up excluded), each request's peak cache, the load before and after, and the
+    token ids per problem (so two runs can be compared)."""
+    cell = dataclasses.replace(study.find(name), engine=engine, batch_size=batch, problems=problems)
+    before = machine.load_average()
+    started = time.perf_counter()
+    outcome = run_cell(study, cell, scratch, progress=False)
+    records = load_run_results(outcome.folder)
+    seconds = sum(r.seconds for r in records)
+    tokens = sum(r.tokens_generated for r in records)
+    peaks = [r.peak_cache_tokens for r in records]
+    return {
+        "cell": name, "engine": engine, "batch": batch, "problems": len(records), "tokens": tokens,
+        "generate_s": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 2),
+        "peak_cache_mean": round(sum(peaks) / len(peaks), 1), "peak_cache_max": max(peaks),
+        "wall_s_with_start": round(time.perf_counter() - started, 1), "load_before": before,
+        "load_after": machine.load_average(), "accuracy": outcome.summary.get("accuracy"),
+        "token_ids": {r.id: r.token_ids for r in records},
+    }  # fmt: skip
+
+
 def run_cell(
     study: Study, cell: Cell, out: str, progress: bool = True, limit: int | None = None
 ) -> RunOutcome:
