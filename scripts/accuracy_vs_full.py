@@ -37,13 +37,12 @@ def main() -> None:
     if len(arms) != 1:
         parser.error(f"--cells {args.cells!r}: give cells of one arm (gsm8k or math500), not {sorted(arms)}")
     full = f"{arms.pop()}/full@full"
+    known = {cell.name: cell.engine for cell in study.cells()}
     for name in names:  # refused before anything runs: an unknown cell, or one vLLM cannot run
-        try:
-            engine = study.find(name).engine
-        except ValueError as err:
-            parser.error(f"--cells: {str(err).split(';')[0]}")
-        if engine != study.engine:
-            parser.error(f"--cells: {name} runs on {engine}, not on vLLM with the plugin")
+        if name not in known:
+            parser.error(f"--cells: no cell {name!r} in the study (epikv bench accuracy status lists them)")
+        if known[name] != study.engine:
+            parser.error(f"--cells: {name} runs on {known[name]}, not on vLLM with the plugin")
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         for index, name in enumerate([full, *names, full]):
