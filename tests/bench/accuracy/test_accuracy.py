@@ -9,7 +9,7 @@ import pytest
 
 from epikv.bench.accuracy.design import Arm, Study, budgets_by_rule, paired_sample_size
 from epikv.bench.accuracy.report import markdown
-from epikv.bench.accuracy.summary import holm, summarize
+from epikv.bench.accuracy.summary import holm, repeats, summarize
 from epikv.eval.records import ExampleResult, SkippedExample, append_result
 from epikv.eval.runner import prepare_folder
 from epikv.eval.tasks import load_task
@@ -115,6 +115,20 @@ def test_the_summary_pairs_on_common_problems_and_names_what_it_excludes(tmp_pat
     assert (
         "excluded for all" in text and ids[2] in text and "| gsm8k/h2o@K100 | 2 | 0 | 2 | 2 | 2 | 2 |" in text
     )
+
+
+def test_a_repeat_elsewhere_is_compared_cell_by_cell_on_the_problems_it_ran(tmp_path):
+    arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv"))
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6, budget_problems=6)
+    cells = {c.name: c for c in study.cells()}
+    _write(study, cells["gsm8k/full@full"], tmp_path / "main", [1, 1, 1, 1, 0, 0])
+    _write(study, cells["gsm8k/epikv@K100"], tmp_path / "main", [1, 0, 1, 1, 0, 1])
+    _write(study, cells["gsm8k/full@full"], tmp_path / "again", [1, 0, 1, 1])
+    found = repeats(study, str(tmp_path / "main"), str(tmp_path / "again"), frozenset())
+    assert list(found) == ["gsm8k/full@full"]  # epikv was not run again: nothing to compare
+    row = found["gsm8k/full@full"]
+    assert (row["n"], row["changed"], row["identical_tokens"]) == (4, 1, 4)  # the first 4 of 6 ran
+    assert (row["test"]["a_only"], row["test"]["b_only"]) == (0, 1)
 
 
 def test_a_cell_runs_whole_batches_only(tmp_path):

@@ -1,9 +1,11 @@
-"""``epikv bench accuracy status|run|summarize``: the accuracy study on a model that can do the task.
+"""``epikv bench accuracy status|run|summarize|compare``: the accuracy study on a model that can do
+the task.
 
 ``status`` lists every cell with what its folder holds, what it owes and the minutes that would
 take at the speed its engine has shown; ``run`` computes cells one at a time (named, or the next N
 that owe work), resuming each; ``summarize`` recomputes every number from the run folders and
-writes ``summary.json``, ``summary.md`` and ``accuracy.png`` beside them. Nothing here runs two
+writes ``summary.json``, ``summary.md`` and ``accuracy.png`` beside them; ``compare`` sets cells run
+again into another folder (``run --out``, on another machine) against the study's. Nothing here runs two
 cells at once: on two cores each would halve the other.
 """
 
@@ -29,11 +31,14 @@ def add_accuracy_parser(kinds: Any) -> None:
     )
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     summarize = actions.add_parser("summarize", help="recompute the study's numbers from its records")
-    for action in (status, run, summarize):
+    compare = actions.add_parser("compare", help="cells run again elsewhere against the study's records")
+    compare.add_argument("--repeat", required=True, help="the folder the cells were run again into")
+    for action in (status, run, summarize, compare):
         action.add_argument("--out", default=DEFAULT_OUT, help=f"the study's folder (default {DEFAULT_OUT})")
     status.set_defaults(func=cmd_status)
     run.set_defaults(func=cmd_run)
     summarize.set_defaults(func=cmd_summarize)
+    compare.set_defaults(func=cmd_compare)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -87,4 +92,25 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     print(out / "summary.json")
     print(out / "summary.md")
     print(plot(result, study, out / "accuracy.png"))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from epikv.bench.accuracy.design import Study
+    from epikv.bench.accuracy.summary import number_ids, repeats
+
+    study = Study()
+    found = repeats(study, args.out, args.repeat, number_ids(args.out, study.model))
+    if not found:
+        raise ValueError(f"--repeat {args.repeat}: holds no records of the study's cells")
+    runs = Path(args.repeat) / "runs.jsonl"
+    logged = [json.loads(line) for line in runs.read_text().splitlines()] if runs.is_file() else []
+    cpus = list({json.dumps(e.get("cpu"), sort_keys=True): e.get("cpu") for e in logged}.values())
+    result = {"against": args.out, "repeat": args.repeat, "repeat_cpu": cpus, "cells": found}
+    path = Path(args.repeat) / "compare.json"
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    for name, row in found.items():
+        print(f"{name:36} n {row['n']:4}  verdict changed {row['changed']:3}  identical tokens "
+              f"{row['identical_tokens']:4}")  # fmt: skip
+    print(path)
     return 0

@@ -208,6 +208,19 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
     return result
 
 
+def repeats(study: Study, out: str, repeat: str, numbers: frozenset[int]) -> dict[str, Any]:
+    """Cells of the study run again into the folder ``repeat`` (the same cells, code and problems,
+    on another machine, such as another kind of CPU): each against the cell in ``out``, as a noise
+    cell is against its main cell. Only cells the repeat holds records for are compared."""
+    loops = LoopConfig(min_span=study.loop_min_span)
+    found: dict[str, Any] = {}
+    for cell in study.cells():
+        again = CellData(study, cell, repeat, numbers, loops)
+        if again.records:
+            found[cell.name] = noise(again, CellData(study, cell, out, numbers, loops))
+    return found
+
+
 def number_ids(out: str, model: str) -> frozenset[int]:
     """The model's number tokens (the near-loop detector's), read from ``out/number_ids.json`` or
     computed from the tokenizer once and written there, so later summaries need no model files."""
