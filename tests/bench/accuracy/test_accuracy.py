@@ -108,6 +108,7 @@ def test_the_summary_pairs_on_common_problems_and_names_what_it_excludes(tmp_pat
     assert result["cells"]["gsm8k/h2o@K100"]["peak_budget"] == 101
     assert result["cells"]["gsm8k/epikv@K100"]["loop"]["k"] == 1
     assert result["arms"]["gsm8k"]["equal_peak"] == {}  # one cell per peak: nothing to pair
+    assert "whole" not in level  # every cell has every problem (run or skipped): one reading
     noise = result["noise"]["eager"]
     assert (noise["n"], noise["changed"], noise["identical_tokens"]) == (6, 2, 6)
     assert result["noise"]["engine"]["n"] == 0
@@ -129,6 +130,24 @@ def test_a_repeat_elsewhere_is_compared_cell_by_cell_on_the_problems_it_ran(tmp_
     row = found["gsm8k/full@full"]
     assert (row["n"], row["changed"], row["identical_tokens"]) == (4, 1, 4)  # the first 4 of 6 ran
     assert (row["test"]["a_only"], row["test"]["b_only"]) == (0, 1)
+
+
+def test_a_level_with_partial_cells_is_read_again_on_the_cells_with_every_problem(tmp_path):
+    arm = Arm("gsm8k", "gsm8k:shuffle=0", 6, 64, (100,), ("full", "epikv", "h2o", "streaming"))
+    study = dataclasses.replace(Study(arms=(arm,)), noise_problems=6, budget_problems=6)
+    cells = {c.name: c for c in study.cells()}
+    ids = [e.id for e in load_task("gsm8k:shuffle=0").slice(0, 6)]
+    _write(study, cells["gsm8k/full@full"], tmp_path, [1, 1, 1, 1, 1, 1])
+    _write(study, cells["gsm8k/epikv@K100"], tmp_path, [1, 1, 1, 0, 0, 0], skipped=(ids[5],))
+    _write(study, cells["gsm8k/h2o@K100"], tmp_path, [0, 1, 1, 1, 0, 0], tau=1)
+    _write(study, cells["gsm8k/streaming@K100"], tmp_path, [1, 0, 0], tau=1)  # 3 of 6 so far
+    level = summarize(study, str(tmp_path), frozenset())["arms"]["gsm8k"]["levels"]["100"]
+    assert level["n"] == 3  # the partial cell's first three
+    whole = level["whole"]
+    assert whole["cells"] == ["gsm8k/epikv@K100", "gsm8k/h2o@K100"] and whole["n"] == 5
+    assert whole["excluded"] == [ids[5]]  # skipped by epikv: out for h2o too
+    assert whole["accuracy"]["gsm8k/h2o@K100"]["k"] == 3 and whole["accuracy"]["gsm8k/epikv@K100"]["k"] == 3
+    assert "only the cells with every problem" in markdown(summarize(study, str(tmp_path), frozenset()))
 
 
 def test_a_cell_runs_whole_batches_only(tmp_path):

@@ -141,10 +141,13 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append("")
         if data.get("headline"):
             lines += headline_table(data["headline"])
-        for k, level in data["levels"].items():
-            lines += level_tables(f"{arm} at K = {k}", level)
-        for peak, level in data["equal_peak"].items():
-            lines += level_tables(f"{arm} at equal peak memory K + τ = {peak}", level)
+        readings = [(f"{arm} at K = {k}", level) for k, level in data["levels"].items()]
+        peaks = data["equal_peak"].items()
+        readings += [(f"{arm} at equal peak memory K + τ = {p}", level) for p, level in peaks]
+        for title, level in readings:
+            lines += level_tables(title, level)
+            if "whole" in level:
+                lines += level_tables(f"{title}, only the cells with every problem", level["whole"])
     lines += ["", "## Noise floor", "", *noise_table(result["noise"])]
     return "\n".join(lines) + "\n"
 

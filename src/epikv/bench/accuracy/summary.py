@@ -143,6 +143,17 @@ def level(cells: Sequence[CellData], full: CellData) -> dict[str, Any]:
     return out
 
 
+def read_level(cells: Sequence[CellData], full: CellData, problems: int) -> dict[str, Any]:
+    """:func:`level` on every cell; while some cells are partial, also (``whole``) on the cells that
+    have every one of the arm's ``problems`` (run or skipped), a family of its own, so that the
+    finished part of a level reads on all its problems, not only on the partial cells' first ones."""
+    out = level(cells, full)
+    whole = [c for c in cells if len(c.records) + len(c.skipped) == problems]
+    if 1 < len(whole) < len(cells):
+        out["whole"] = level(whole, full)
+    return out
+
+
 def headline(pairs: Sequence[tuple[CellData, CellData]], full: CellData) -> dict[str, Any]:
     """The headline pairs (``Study.headline``), each on every problem both of its cells ran (a
     problem either skipped is out), correct, Holm within these pairs; and what each of their cells
@@ -191,12 +202,12 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
         for k in arm.budgets:
             at_k = [d for d in mine if d.cell.budget == k]
             if at_k:
-                arm_out["levels"][str(k)] = level(at_k, full)
+                arm_out["levels"][str(k)] = read_level(at_k, full, arm.problems)
         peaks = sorted({d.peak for d in mine if d.peak is not None})
         for peak in peaks:
             same = [d for d in mine if d.peak == peak]
             if len(same) > 1:
-                arm_out["equal_peak"][str(peak)] = level(same, full)
+                arm_out["equal_peak"][str(peak)] = read_level(same, full, arm.problems)
         pairs = [(data[a], data[b]) for a, b in study.headline(arm) if data[a].records and data[b].records]
         if pairs:
             arm_out["headline"] = headline(pairs, full)
