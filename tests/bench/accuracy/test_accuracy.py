@@ -141,13 +141,14 @@ def test_a_level_with_partial_cells_is_read_again_on_the_cells_with_every_proble
     _write(study, cells["gsm8k/epikv@K100"], tmp_path, [1, 1, 1, 0, 0, 0], skipped=(ids[5],))
     _write(study, cells["gsm8k/h2o@K100"], tmp_path, [0, 1, 1, 1, 0, 0], tau=1)
     _write(study, cells["gsm8k/streaming@K100"], tmp_path, [1, 0, 0], tau=1)  # 3 of 6 so far
-    level = summarize(study, str(tmp_path), frozenset())["arms"]["gsm8k"]["levels"]["100"]
+    result = summarize(study, str(tmp_path), frozenset())
+    level = result["arms"]["gsm8k"]["levels"]["100"]
     assert level["n"] == 3  # the partial cell's first three
     whole = level["whole"]
     assert whole["cells"] == ["gsm8k/epikv@K100", "gsm8k/h2o@K100"] and whole["n"] == 5
     assert whole["excluded"] == [ids[5]]  # skipped by epikv: out for h2o too
     assert whole["accuracy"]["gsm8k/h2o@K100"]["k"] == 3 and whole["accuracy"]["gsm8k/epikv@K100"]["k"] == 3
-    assert "only the cells with every problem" in markdown(summarize(study, str(tmp_path), frozenset()))
+    assert "only the cells with every problem" in markdown(result)
 
 
 def test_a_cell_runs_whole_batches_only(tmp_path):

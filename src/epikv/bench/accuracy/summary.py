@@ -53,6 +53,7 @@ class CellData:
     def __init__(self, study: Study, cell: Cell, out: str, numbers: frozenset[int], loops: LoopConfig):
         plan = plan_run(cell.config(out, study.model, study.dtype, progress=False))
         self.cell, self.folder, self.order = cell, plan.folder, [e.id for e in plan.task]
+        self.complete = not plan.work  # every problem run or skipped: the cell owes nothing
         selected = plan.selected_keys
         found = load_run_results(plan.folder) if plan.folder.is_dir() else []
         self.records: dict[str, ExampleResult] = {r.id: r for r in found if r.key in selected}
@@ -143,12 +144,12 @@ def level(cells: Sequence[CellData], full: CellData) -> dict[str, Any]:
     return out
 
 
-def read_level(cells: Sequence[CellData], full: CellData, problems: int) -> dict[str, Any]:
-    """:func:`level` on every cell; while some cells are partial, also (``whole``) on the cells that
-    have every one of the arm's ``problems`` (run or skipped), a family of its own, so that the
-    finished part of a level reads on all its problems, not only on the partial cells' first ones."""
+def read_level(cells: Sequence[CellData], full: CellData) -> dict[str, Any]:
+    """:func:`level` on every cell; while some cells are partial, also (``whole``) on the complete
+    cells alone, a family of its own, so that the finished part of a level reads on all its
+    problems, not only on the partial cells' first ones."""
     out = level(cells, full)
-    whole = [c for c in cells if len(c.records) + len(c.skipped) == problems]
+    whole = [c for c in cells if c.complete]
     if 1 < len(whole) < len(cells):
         out["whole"] = level(whole, full)
     return out
@@ -202,12 +203,12 @@ def summarize(study: Study, out: str, numbers: frozenset[int]) -> dict[str, Any]
         for k in arm.budgets:
             at_k = [d for d in mine if d.cell.budget == k]
             if at_k:
-                arm_out["levels"][str(k)] = read_level(at_k, full, arm.problems)
+                arm_out["levels"][str(k)] = read_level(at_k, full)
         peaks = sorted({d.peak for d in mine if d.peak is not None})
         for peak in peaks:
             same = [d for d in mine if d.peak == peak]
             if len(same) > 1:
-                arm_out["equal_peak"][str(peak)] = read_level(same, full, arm.problems)
+                arm_out["equal_peak"][str(peak)] = read_level(same, full)
         pairs = [(data[a], data[b]) for a, b in study.headline(arm) if data[a].records and data[b].records]
         if pairs:
             arm_out["headline"] = headline(pairs, full)
