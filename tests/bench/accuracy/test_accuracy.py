@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -220,3 +221,15 @@ def test_the_headline_pairs_use_every_problem_both_cells_ran_not_the_levels_comm
     text = markdown(result)
     assert "| gsm8k/epikv@K100 | gsm8k/h2o@K100 | 5 | 60.0" in text
     assert "| gsm8k/h2o@K100 | 6 | 4 | 0 | 1 |" in text
+
+
+def test_every_policy_in_the_figure_has_its_own_colour_and_neighbours_differ_in_marker_too():
+    from epikv.bench.accuracy.report import policy_styles
+
+    policies = sorted({c.policy for c in Study().cells() if c.policy != "full"})
+    assert len(policies) == 11  # more than a 10-colour cycle holds: the figure once drew two alike
+    styles = policy_styles([*policies, *policies[:3]])  # one entry per cell: repeats change nothing
+    assert sorted(styles) == policies
+    assert len({colour for colour, _ in styles.values()}) == len(policies)
+    markers = [styles[p][1] for p in policies]
+    assert all(a != b for a, b in pairwise(markers))

@@ -152,6 +152,17 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_MARKERS = "os^Dv<>PXph*"
+
+
+def policy_styles(policies: list[str]) -> dict[str, tuple[int, str]]:
+    """Each policy's (tab20 colour index, marker), the same in every panel: strong shades first, then
+    light, so up to 20 policies get 20 colours, and the marker differs between neighbours too."""
+    order = [*range(0, 20, 2), *range(1, 20, 2)]
+    names = sorted(set(policies))
+    return {name: (order[i % 20], _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(names)}
+
+
 def plot(result: dict[str, Any], study: Study, path: Path) -> Path:
     """Accuracy against K per policy (Wilson intervals), ``full`` as a band, one panel per arm."""
     import matplotlib
@@ -160,6 +171,8 @@ def plot(result: dict[str, Any], study: Study, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     arms = [a for a in study.arms if result["arms"].get(a.name, {}).get("levels")]
+    styles = policy_styles([r["policy"] for r in result["cells"].values() if r["budget"] is not None])
+    palette = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, max(1, len(arms)), figsize=(6.5 * max(1, len(arms)), 4.5), squeeze=False)
     for ax, arm in zip(axes[0], arms, strict=False):
         rows = [r for r in result["cells"].values() if r["cell"].startswith(f"{arm.name}/") and r["correct"]]
@@ -174,7 +187,8 @@ def plot(result: dict[str, Any], study: Study, path: Path) -> Path:
             acc = [100 * r["correct"]["rate"] for r in mine]
             err = [[a - 100 * r["correct"]["ci95"][0] for a, r in zip(acc, mine, strict=True)],
                    [100 * r["correct"]["ci95"][1] - a for a, r in zip(acc, mine, strict=True)]]  # fmt: skip
-            ax.errorbar(ks, acc, yerr=err, marker="o", capsize=3, label=policy)
+            colour, marker = styles[policy]
+            ax.errorbar(ks, acc, yerr=err, marker=marker, color=palette(colour), capsize=3, label=policy)
         ax.set(title=f"{arm.name} ({study.model}, {study.dtype}, greedy)", xlabel="budget K (tokens)",
                ylabel="accuracy % (95% Wilson)")  # fmt: skip
         ax.legend(fontsize=7, ncol=2)
