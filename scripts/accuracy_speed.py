@@ -2,7 +2,7 @@
 the same cell on epikv's own engine, in one run, back to back, on an idle machine.
 
   .venv/bin/python scripts/accuracy_speed.py --cell gsm8k/epikv@K192 --problems 64 \
-      --out docs/results/accuracy/speed.json [--eager]
+      --out results/accuracy/speed.json [--eager]
 
 Each engine generates the cell's first ``--problems`` problems exactly as the study does (same
 prompts, precision, cap, and each engine's study batch) into a scratch folder; the tokens per second

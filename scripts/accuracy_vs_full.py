@@ -2,7 +2,7 @@
 study runs them on (vLLM with the plugin, compiled, the study's batch), in one run, on an idle machine.
 
   .venv/bin/python scripts/accuracy_vs_full.py --cells gsm8k/epikv@K288,gsm8k/keydiff@K319 \
-      --problems 64 --out docs/results/accuracy/serving.json
+      --problems 64 --out results/accuracy/serving.json
 
 ``full`` runs first and again last (the two bracket the run's drift); each listed cell runs between
 them on the same first ``--problems`` problems, exactly as the study runs it. Per run: generated

@@ -5,7 +5,7 @@ forced tokens (ignore_eos), budget K, on the embedded model by default. Each att
 baseline runs with attention rows ``recompute``d beside SDPA and with the model in ``eager``
 attention; attention-free policies run once. ``full`` and ``epikv`` run first and again last (the
 ratios use the mean of the two, which also shows drift on a shared machine). Prints a markdown table
-and writes the numbers and the configuration to a JSON file (default docs/results/baselines_speed.json).
+and writes the numbers and the configuration to a JSON file (default results/baselines_speed.json).
 
     .venv/bin/python scripts/bench_baselines.py [--tokens 1024] [--budget 256] [--out PATH]
 """
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--problem", type=int, default=0, help="line of the MATH-500 file")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest here)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results/baselines_speed.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/baselines_speed.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -4,7 +4,7 @@ fp32 model's greedy trace), and at every continuation position we compare the ne
 (top-1 agreement) and the distributions (KL(fp32 || bf16)). For gsm8k-greedy it also runs bf16
 greedy from the same prompts and reports where its trace first leaves fp32's.
 
-    .venv/bin/python scripts/bf16_fidelity.py --prompts 8 --trace-tokens 512 --out docs/results/bench/bf16
+    .venv/bin/python scripts/bf16_fidelity.py --prompts 8 --trace-tokens 512 --out results/bench/bf16
 """
 
 from __future__ import annotations

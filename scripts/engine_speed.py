@@ -7,7 +7,7 @@ GSM8K prompts over a forced number of new tokens. "before" runs the code of anot
 between repeats, and the load average is recorded beside each run. Writes JSON (and prints a table).
 
     git worktree add /tmp/before 092398f
-    .venv/bin/python scripts/engine_speed.py --before-src /tmp/before/src --out docs/results/engine_speed.json
+    .venv/bin/python scripts/engine_speed.py --before-src /tmp/before/src --out results/engine_speed.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue-2 figures on this machine: embedded-model load times and decode speed per policy.
 
-Prints a markdown table and writes docs/results/core_speed.json. Load times run in fresh
+Prints a markdown table and writes results/core_speed.json. Load times run in fresh
 processes (first load converts the GGUF into a temporary cache folder; the second reads it).
 Speed: one chat prompt, K = 256, 1,024 forced tokens (EOS ignored), greedy, policies run one
 after another in this process after a warm-up; ratios are to `full` measured in the same run.
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--policies", nargs="+", default=["full", "epikv-flat", "epikv"])
-    parser.add_argument("--out", default="docs/results/core_speed.json")
+    parser.add_argument("--out", default="results/core_speed.json")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as cache:

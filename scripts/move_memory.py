@@ -10,7 +10,7 @@ loaded from git revision ``--before`` (the one-shot gather). Two numbers each:
 - ``rss_extra_bytes``: the kernel's resident high-water mark during the compaction minus the resident
   set just before it (VmHWM reset, then read; includes what the allocator keeps).
 The pool, filled before the measurement, is in neither. Also ``move_only_peak_allocated_bytes``:
-``PagedKV.move`` alone on the same pairs. Writes ``docs/results/vllm/move_memory.json``.
+``PagedKV.move`` alone on the same pairs. Writes ``results/vllm/move_memory.json``.
 
     .venv/bin/python scripts/move_memory.py [--before fc9f75b]
 """
@@ -33,7 +33,7 @@ from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs/results/vllm/move_memory.json"
+OUT = ROOT / "results/vllm/move_memory.json"
 SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "block": 16, "rows": 16, "budget": 1024, "tau": 128}
 
 

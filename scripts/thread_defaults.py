@@ -5,7 +5,7 @@ and each thread count, a fresh process loads the embedded model and times ``epik
 (batch 1, ``--tokens`` forced new tokens, policy ``epikv``). Runs are interleaved and repeated; the
 load average is recorded beside each. Writes JSON and prints a table.
 
-    .venv/bin/python scripts/thread_defaults.py --out docs/results/threads.json
+    .venv/bin/python scripts/thread_defaults.py --out results/threads.json
 """
 
 from __future__ import annotations

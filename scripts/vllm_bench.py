@@ -1,8 +1,8 @@
 """Benchmark of the vLLM plugin (docs/vllm.md): run in vLLM's environment (``.venv-vllm``).
 
-  .venv-vllm/bin/python scripts/vllm_bench.py throughput --out docs/results/vllm/throughput.json
-  .venv-vllm/bin/python scripts/vllm_bench.py capacity --out docs/results/vllm/capacity.json
-  .venv-vllm/bin/python scripts/vllm_bench.py chat --out docs/results/vllm/chat.json
+  .venv-vllm/bin/python scripts/vllm_bench.py throughput --out results/vllm/throughput.json
+  .venv-vllm/bin/python scripts/vllm_bench.py capacity --out results/vllm/capacity.json
+  .venv-vllm/bin/python scripts/vllm_bench.py chat --out results/vllm/chat.json
 
 ``throughput``: plain vLLM and vLLM + epikv (K = 256) on the same 16 chat prompts, greedy, EOS
 ignored, T new tokens each, all submitted at once; engines alternate within one run, each in a fresh

@@ -1,7 +1,7 @@
 """Time the plugin spends compacting (issue 42 item 9), before and after a change, in one run.
 
   .venv-vllm/bin/python scripts/vllm_compaction_time.py --src ../before/src --src src --rounds 2 \
-      --out docs/results/vllm/compaction_time.json
+      --out results/vllm/compaction_time.json
 
 Each run is a fresh child process with the plugin imported from one ``--src`` folder (another
 checkout's ``src`` for "before"), the runs alternating: 16 chat prompts (``../shared/peers/vllm``),

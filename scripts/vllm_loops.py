@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ROOT / "docs/results/loops/fp32/loops-parts"
+PARTS = ROOT / "results/loops/fp32/loops-parts"
 # cell -> (policy, K, requests decoded at once): all of Seg-Q's 172 at once (each reserves K + tau
 # = 320 tokens), `full` 64 at a time (each may grow to MAX_MODEL_LEN; the pool holds 64 of them)
 CELLS = {"epikv@192": ("epikv", 192, 192), "full": ("full", None, 64)}
@@ -367,7 +367,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="docs/results/vllm/loops")
+    parser.add_argument("--out", default="results/vllm/loops")
     parser.add_argument("--cells", default=",".join(CELLS), help=f"of {list(CELLS)}")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once (per cell)")
     parser.add_argument("--limit", type=int, default=None, help="the first N problems only (a smoke test)")

@@ -1,6 +1,6 @@
 """Soak of vLLM's own OpenAI server with the epikv plugin (issue 34 item 10); a benchmark, not a test.
 
-  .venv-vllm/bin/python scripts/vllm_soak.py --out docs/results/vllm/soak.json
+  .venv-vllm/bin/python scripts/vllm_soak.py --out results/vllm/soak.json
 
 Starts ``python -m vllm.entrypoints.openai.api_server`` (the embedded model, ``--policy`` at K = 96,
 default ``streaming``, a pool of ``--blocks`` blocks; eager without prefix caching unless
@@ -324,7 +324,7 @@ def config(args: argparse.Namespace, command: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs/results/vllm/soak.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "results/vllm/soak.json")
     parser.add_argument("--log", type=Path, default=Path("/tmp/epikv_vllm_soak/server.log"))
     parser.add_argument("--clients", type=int, default=20, help="clients per burst")
     parser.add_argument("--bursts", type=int, default=2)

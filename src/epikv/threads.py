@@ -1,6 +1,6 @@
 """How many CPU threads torch uses for a command: one rule for ``generate``, ``eval`` and ``serve``.
 
-Measured here (``scripts/thread_defaults.py``, ``docs/results/threads.json``; the table is in
+Measured here (``scripts/thread_defaults.py``, ``results/threads.json``; the table is in
 ``docs/benchmarks.md``): on an idle 2-core machine two threads decode about 1.7x faster than one,
 but with one other busy process beside it two threads decode about 2.4x *slower* than one (the
 threads wait on each other while one of them is descheduled). So the default, ``auto``, gives torch

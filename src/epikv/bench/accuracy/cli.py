@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-DEFAULT_OUT = "docs/results/accuracy"
+DEFAULT_OUT = "results/accuracy"
 
 
 def add_accuracy_parser(kinds: Any) -> None:
