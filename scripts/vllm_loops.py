@@ -201,7 +201,7 @@ def record(output: Any) -> dict[str, Any]:
 def graded(result: dict[str, Any], problem: Any, tokenizer: Any) -> dict[str, Any]:
     """``result`` graded by its task, as :mod:`epikv.bench.loops.runs` grades the engine's."""
     text = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
-    grade = problem.task.evaluate(problem.example, text)
+    grade = problem.task.evaluate(problem.example, text, cut=result["finish_reason"] == "length")
     return {**result, "correct": grade.correct, "extracted": grade.extracted}
 
 

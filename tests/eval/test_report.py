@@ -139,6 +139,12 @@ def test_regrade_uses_current_rules(tmp_path):
     (folder / "results.jsonl").write_text(json.dumps(row) + "\n")
     assert "| 0.0 [" in report([tmp_path])
     assert "| 100.0 [" in report([tmp_path], regrade_text=True)
+    # The same last number at the length cap, with no marker: the regrade reads the record's finish.
+    cut = {**row, "correct": True, "extracted": "18", "finish_reason": "length", "cap_hit": True,
+           "text": "she sells 9 eggs at $2, so 9 x 2 = 18"}  # fmt: skip
+    (folder / "results.jsonl").write_text(json.dumps(cut) + "\n")
+    assert "| 100.0 [" in report([tmp_path])
+    assert "| 0.0 [" in report([tmp_path], regrade_text=True)
 
 
 def test_full_is_a_reference_line_even_when_filed_under_a_budget(tmp_path: Path) -> None:

@@ -208,3 +208,12 @@ def test_resolved_policy_is_pinned_across_resumes(tmp_path: Path) -> None:
     generator.resolved_policy = {"name": "h2o", "band_a": 29}  # type: ignore[attr-defined]
     with pytest.raises(ConfigMismatchError, match="band_a"):
         run_eval(config(tmp_path, limit=4), FakeFactory(generator))
+
+
+def test_a_generation_cut_at_the_cap_is_graded_as_cut(tmp_path: Path) -> None:
+    def cut_on_the_gold(problem: str) -> FakeResult:  # ends on the gold number, at the cap
+        return FakeResult(text=f"so far 3 x 8 = {GOLD[problem]}", token_ids=[1, 2, 3], finish_reason="length")
+
+    run_eval(config(tmp_path, limit=1), FakeFactory(FakeGenerator(cut_on_the_gold)))
+    (only,) = read_results(folder(tmp_path) / "results.jsonl")
+    assert only.cap_hit and only.extracted is None and not only.correct

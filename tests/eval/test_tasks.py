@@ -57,6 +57,16 @@ def test_evaluate_extracts_and_grades() -> None:
     assert not task.evaluate(negative, r"\boxed{10}").correct
 
 
+def test_evaluate_does_not_credit_the_last_number_of_a_generation_cut_at_the_cap() -> None:
+    task = load_task("gsm8k")
+    first = task[0]  # gold 18
+    text = "She sells 16 - 3 - 4 = 9 eggs at $2, so 9 x 2 = 18"
+    assert task.evaluate(first, text).correct
+    cut = task.evaluate(first, text, cut=True)
+    assert cut.extracted is None and not cut.correct
+    assert task.evaluate(first, text + ".\nThe answer is 18. Let me check", cut=True).correct
+
+
 def test_gold_answers_verify_against_themselves() -> None:
     for name in ("aime2024", "amc2023"):
         task = load_task(name)

@@ -71,7 +71,7 @@ class RunOutcome:
 def make_record(
     task: Task, item: WorkItem, result: Completion, batch_size: int, loop_config: LoopConfig
 ) -> ExampleResult:
-    grade = task.evaluate(item.example, result.text)
+    grade = task.evaluate(item.example, result.text, cut=result.finish_reason == "length")
     loop = detect_loop(result.token_ids, loop_config)
     return ExampleResult(
         id=item.example.id,

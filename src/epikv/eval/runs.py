@@ -57,7 +57,7 @@ def regrade(records: list[ExampleResult], dataset: str) -> list[ExampleResult]:
     examples = {example.id: example for example in task}
     out = []
     for record in records:
-        grade = task.evaluate(examples[record.id], record.text)
+        grade = task.evaluate(examples[record.id], record.text, cut=record.finish_reason == "length")
         out.append(replace(record, correct=grade.correct, extracted=grade.extracted))
     return out
 

@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 from epikv.eval.extract import extract_boxed, extract_final_number
+from epikv.eval.forms import asked_forms, in_forms
 from epikv.eval.grading import GRADERS
 
 # Length caps of the paper's protocol (§1.9): 8192 new tokens for MATH-500, 16384 for AIME.
@@ -85,13 +86,16 @@ class Task:
         stop = None if limit is None else offset + limit
         return Task(self.name, self._examples[offset:stop], self.grader, self.max_new_tokens)
 
-    def evaluate(self, example: Example, completion: str) -> Grade:
+    def evaluate(self, example: Example, completion: str, cut: bool = False) -> Grade:
         """Extracts the final answer from `completion` (boxed; for the numeric grader, GSM8K's
-        flexible fallback) and grades it against `example.answer`."""
+        flexible fallback, which ``cut``, a generation stopped at the length cap, narrows) and
+        grades it against `example.answer`, in the form the problem asks for where it asks
+        (``forms.py``)."""
         extracted = (
-            extract_final_number(completion) if self.grader == "numeric" else extract_boxed(completion)
+            extract_final_number(completion, cut) if self.grader == "numeric" else extract_boxed(completion)
         )
-        return Grade(correct=GRADERS[self.grader](extracted, example.answer), extracted=extracted)
+        in_form = in_forms(extracted, asked_forms(example.problem))
+        return Grade(correct=in_form and GRADERS[self.grader](extracted, example.answer), extracted=extracted)
 
 
 # -- where tasks come from: the builtin files and any JSONL file ----------------------------------

@@ -112,7 +112,7 @@ def generate_cell(
 
 def _record(problem: Problem, completion: Completion, tokenizer: Any) -> dict[str, Any]:
     text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-    grade = problem.task.evaluate(problem.example, text)
+    grade = problem.task.evaluate(problem.example, text, cut=completion.finish_reason == "length")
     return {
         "prompt_tokens": completion.prompt_tokens,
         "token_ids": list(completion.token_ids),
