@@ -1,10 +1,12 @@
 """Tensor parallelism in the worker step, without vLLM: two processes (gloo, localhost) each run the
 worker step of ``test_step_faults`` on their own KV head, with real collectives; a fault is injected
 on rank 1 only: into one row's scoring, into the batched scoring call only, into one row's move,
-into a decode step's observing, into one prefill. Both ranks must fault exactly the same requests,
-the first rank (whose output the scheduler reads) with rank 1's own line, every other request must
-end holding exactly what it holds in the one-process run without the fault, and no rank may wait
-alone in a collective (the process group's timeout turns a hang into a failure here)."""
+into a decode step's observing, into one prefill, and before the first agreement (the store's
+write, the decode batch's books: the step's rows fail on both ranks). Both ranks must fault exactly
+the same requests, the first rank (whose output the scheduler reads) with rank 1's own line, every
+other request must end holding exactly what it holds in the one-process run without the fault, and
+no rank may wait alone in a collective (the process group's timeout turns a hang into a failure
+here)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from epikv.policies.registry import policy_class
-from epikv.vllm.compaction import HeadShards
+from epikv.vllm import step as step_module
+from epikv.vllm.compaction import HeadShards, SlotStore
 from epikv.vllm.paged import PagedKV
 from epikv.vllm.step import EpiKVWorkerState
 from tests.plugin_without_vllm.test_step_faults import PROMPTS, held_equal, run
@@ -75,6 +78,21 @@ def inject(fault: str, policy: str) -> None:
             move(self, src, dst, layers, heads)
 
         PagedKV.move = broken_move
+    elif fault == "write":  # the store's write of a decode step, before any agreement
+        write = SlotStore.write
+
+        def broken_write(self, slots, positions):
+            if slots.numel() == len(PROMPTS):
+                raise RuntimeError(LINE)
+            write(self, slots, positions)
+
+        SlotStore.write = broken_write
+    elif fault == "books":  # the decode batch's books, read before any agreement
+
+        def broken_snapshot(state):
+            raise RuntimeError(LINE)
+
+        step_module.snapshot_rows = broken_snapshot
     elif fault in ("observe", "prefill"):
         name = "_observe" if fault == "observe" else "_prefill"
         method = getattr(EpiKVWorkerState, name)
@@ -142,6 +160,8 @@ def same_as_reference(got: dict[str, Any], ref: dict[str, Any], rank: int, reque
         ("move", ["b"], f"compaction failed: MemoryError: {LINE}"),
         ("prefill", ["b"], f"prefill failed: RuntimeError: {LINE}"),
         ("observe", list(PROMPTS), f"decode step failed: RuntimeError: {LINE}"),
+        ("write", list(PROMPTS), f"step failed: RuntimeError: {LINE}"),
+        ("books", list(PROMPTS), f"step failed: RuntimeError: {LINE}"),
     ],
 )
 def test_a_fault_on_rank_1_alone_fails_the_same_requests_on_both_ranks(

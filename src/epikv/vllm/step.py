@@ -19,7 +19,8 @@ state) fails the batch's rows.
 
 Tensor parallelism (:meth:`EpiKVWorkerState.agree`): every rank runs this step on the same rows.
 Before compacting, the ranks agree on which requests faulted this step (on any rank), so every rank
-compacts the same rows; each scoring call (which gathers heads across ranks) has one verdict on every
+compacts the same rows (an exception before that agreement, outside any one request's part, fails
+every row of the step on its rank, so the agreement fails them on every rank); each scoring call (which gathers heads across ranks) has one verdict on every
 rank (:meth:`epikv.vllm.compaction.HeadShards.together`); after a step that compacted, they agree
 again (a move or a trace line can fail on one rank). So no rank enters a collective another skips,
 and a fault on any rank reaches the first rank's output, which is what the scheduler reads.
@@ -80,9 +81,15 @@ class EpiKVWorkerState(RowCompactions):
     """The plugin's state in one worker: the spec, the requests' books and state, the slot store."""
 
     def __init__(
-        self, settings: EpiKVSettings, spec: CacheSpec, model: ModelInfo, trace: bool = True
+        self,
+        settings: EpiKVSettings,
+        spec: CacheSpec,
+        model: ModelInfo,
+        trace: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         self.settings, self.spec, self.model = settings, spec, model
+        self.max_model_len = max_model_len  # vLLM's context: plans clamp to it as the scheduler's do
         self.cap = spec.cap_tokens(0)  # K + tau: what a request with a prompt of at most K holds
         hidden = spec.policy.needs().hidden_layers
         # aux hidden state i+1 is decoder layer i's output (hidden + residual), i.e. HF's layer output
@@ -131,7 +138,7 @@ class EpiKVWorkerState(RowCompactions):
                 self.fault(req.req_id, "prompt embeddings are not supported")
                 continue
             try:
-                plan = plan_request(self.spec, req.prompt, req.max_tokens, req.extra_args)
+                plan = plan_request(self.spec, req.prompt, req.max_tokens, req.extra_args, self.max_model_len)
             except ValueError as err:
                 self.fault(req.req_id, str(err))
                 continue
@@ -165,12 +172,38 @@ class EpiKVWorkerState(RowCompactions):
     def after_forward(self, batch: StepBatch, aux: list[torch.Tensor] | None) -> None:
         """Store the new tokens' positions, let the policy observe, count, agree on faults (tensor
         parallelism), compact due rows, agree again if anything was compacted, and report."""
-        n, starts = len(batch.ids), batch.starts
+        n = len(batch.ids)
         if not self.evicts:  # ``full``: nothing to observe; the counters are the lengths
             held = (batch.computed + batch.scheduled).tolist()
             self.report.update((r, (h, 0, 0, None)) for r, h in zip(batch.ids, held, strict=True))
             return
         assert self.store is not None and batch.slots is not None
+        records = self.requests.records
+        try:
+            prefilled, ids = self._observe_step(batch, aux)
+        except Exception as err:  # before the ranks agree: it fails the step's rows on every rank
+            log.exception("epikv: a step of %d requests failed before compaction", n)
+            for req_id in [r for r in batch.ids if r in records]:
+                self._fault_step(req_id, f"step failed: {type(err).__name__}: {err}")
+            prefilled, ids = [], []
+        self.agree(batch.ids)  # from here on every rank holds the same rows with the same books
+        compacted = False
+        for req_id in prefilled:
+            if req_id in records:
+                compacted = self._compact_prefilled(batch, req_id) or compacted
+        ids = [r for r in ids if r in records]
+        if ids:
+            compacted = self._compact_decoding(batch, ids) or compacted
+        if compacted:  # a move or a trace line fails on one rank only
+            self.agree(batch.ids)
+
+    def _observe_step(self, batch: StepBatch, aux: list[torch.Tensor] | None) -> tuple[list[str], list[str]]:
+        """Store the new tokens' positions and let the policy observe them: each prefill chunk alone
+        (a raise fails its request), the decode rows together (:meth:`_observe_rows`). Returns the
+        requests whose prompt is all in and the decoding ones. What raises here (the store's write,
+        the decode batch's books) reaches :meth:`after_forward`, which fails the step's rows."""
+        assert self.store is not None and batch.slots is not None
+        n, starts = len(batch.ids), batch.starts
         total = int(starts[n])
         slots, positions = batch.slots[:total], batch.positions[:total]
         live = slots >= 0
@@ -196,16 +229,19 @@ class EpiKVWorkerState(RowCompactions):
         if ids:
             last = torch.from_numpy(starts[1:][decode] - 1)
             self._observe_rows(ids, hidden, slots[last], positions[last], last)
-        self.agree(batch.ids)  # from here on every rank holds the same rows with the same books
-        compacted = False
-        for req_id in prefilled:
-            if req_id in records:
-                compacted = self._compact_prefilled(batch, req_id) or compacted
-        ids = [r for r in ids if r in records]
-        if ids:
-            compacted = self._compact_decoding(batch, ids) or compacted
-        if compacted:  # a move or a trace line fails on one rank only
-            self.agree(batch.ids)
+        return prefilled, ids
+
+    def _fault_step(self, req_id: str, why: str) -> None:
+        """Fault a request of a step that failed before the ranks agreed; if even its books cannot be
+        written back (the decode batch broke), forget them as they are."""
+        try:
+            self.fault(req_id, why)
+        except Exception:
+            log.exception("epikv: the books of request %s could not be written back", req_id)
+            self.faults[req_id] = why
+            self.report.pop(req_id, None)
+            self.requests.records.pop(req_id, None)
+            self.requests.dropped.pop(req_id, None)
 
     def agree(self, ids: Sequence[str]) -> None:
         """Under tensor parallelism: a request of ``ids`` faulted on any rank this step is faulted on
