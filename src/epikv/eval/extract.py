@@ -64,6 +64,11 @@ def _last_box(text: str) -> tuple[bool, str | None]:
     return False, content.strip() or None
 
 
+def box_cut_open(text: str) -> bool:
+    """Whether the last box command of ``text`` has no complete argument (a final answer cut)."""
+    return _last_box(text)[0]
+
+
 def extract_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{}`/`\\fbox{}` in `text`, stripped; None if there is none,
     if it is empty, or if it is cut open (an earlier complete box does not stand in for it)."""

@@ -6,8 +6,8 @@ budget or the model's context; in `skipped.jsonl` or `skipped.shard-I-of-N.jsonl
 never graded, so a skip is never a wrong answer) and the files' crash-safety rules: each record is
 one line written with a single write, then flushed and fsynced, so a kill loses at most the examples
 in flight and can leave at most one torn last line, which `repair_tail` truncates and readers ignore.
-Merging dedupes by (id, sample) and refuses conflicting duplicates. It does not grade or compute
-metrics.
+Merging dedupes by (id, sample) and refuses conflicting duplicates; a regrade's new verdicts are
+set in place (`update_results`). It does not grade or compute metrics.
 """
 
 from __future__ import annotations
@@ -197,3 +197,25 @@ def load_skipped(folder: Path) -> list[SkippedExample]:
     for path in sorted(folder.glob(SKIPPED_GLOB)):
         merged.update((record.key, record) for record in read_skipped(path))
     return list(merged.values())
+
+
+def update_results(folder: Path, changes: dict[tuple[str, int], dict[str, Any]]) -> int:
+    """Sets the fields in ``changes[(id, sample)]`` on those records in every results file of
+    ``folder`` (a regrade: new ``correct`` and ``extracted``), each file replaced atomically; every
+    other line is kept byte for byte. Returns the lines changed. Not for a folder being written to."""
+    changed = 0
+    for path in sorted(folder.glob(RESULTS_GLOB)):
+        out, before = [], changed
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            data = json.loads(line) if line.strip() else None
+            fields = changes.get((str(data["id"]), int(data["sample"]))) if data else None
+            if data is not None and fields is not None and any(data[k] != v for k, v in fields.items()):
+                line = json.dumps(data | fields, ensure_ascii=False) + "\n"
+                changed += 1
+            out.append(line)
+        if changed == before:
+            continue
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text("".join(out), encoding="utf-8")
+        os.replace(temporary, path)
+    return changed

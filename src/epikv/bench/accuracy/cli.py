@@ -1,11 +1,12 @@
-"""``epikv bench accuracy status|run|summarize|compare``: the accuracy study on a model that can do
+"""``epikv bench accuracy status|run|summarize|compare|regrade``: the accuracy study on a model that can do
 the task.
 
 ``status`` lists every cell with what its folder holds, what it owes and the minutes that would
 take at the speed its engine has shown; ``run`` computes cells one at a time (named, or the next N
 that owe work), resuming each; ``summarize`` recomputes every number from the run folders and
 writes ``summary.json``, ``summary.md`` and ``accuracy.png`` beside them; ``compare`` sets cells run
-again into another folder (``run --out``, on another machine) against the study's. Nothing here runs two
+again into another folder (``run --out``, on another machine) against the study's; ``regrade`` grades
+the stored generations again after a grading rule changed (``regrade.py``). Nothing here runs two
 cells at once: on two cores each would halve the other.
 """
 
@@ -33,12 +34,14 @@ def add_accuracy_parser(kinds: Any) -> None:
     summarize = actions.add_parser("summarize", help="recompute the study's numbers from its records")
     compare = actions.add_parser("compare", help="cells run again elsewhere against the study's records")
     compare.add_argument("--repeat", required=True, help="the folder the cells were run again into")
-    for action in (status, run, summarize, compare):
+    regrade = actions.add_parser("regrade", help="grade the stored generations again by the current rules")
+    for action in (status, run, summarize, compare, regrade):
         action.add_argument("--out", default=DEFAULT_OUT, help=f"the study's folder (default {DEFAULT_OUT})")
     status.set_defaults(func=cmd_status)
     run.set_defaults(func=cmd_run)
     summarize.set_defaults(func=cmd_summarize)
     compare.set_defaults(func=cmd_compare)
+    regrade.set_defaults(func=cmd_regrade)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -81,17 +84,48 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_summarize(args: argparse.Namespace) -> int:
     from epikv.bench.accuracy.design import Study
+
+    _write_summary(Study(), Path(args.out))
+    return 0
+
+
+def _write_summary(study: Any, out: Path) -> dict[str, Any]:
+    """summary.json, summary.md and accuracy.png in ``out``, recomputed from its run folders."""
     from epikv.bench.accuracy.report import markdown, plot
     from epikv.bench.accuracy.summary import number_ids, summarize
 
-    study = Study()
-    result = summarize(study, args.out, number_ids(args.out, study.model))
-    out = Path(args.out)
+    result = summarize(study, str(out), number_ids(str(out), study.model))
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(markdown(result), encoding="utf-8")
     print(out / "summary.json")
     print(out / "summary.md")
     print(plot(result, study, out / "accuracy.png"))
+    return result
+
+
+def cmd_regrade(args: argparse.Namespace) -> int:
+    """Every cell's records graded again; where any changed, ``regrade.json`` lists the verdicts that
+    moved and (when the folder has a summary) the study's summary is re-made and the Holm calls that
+    flipped are listed; a second run finds nothing to change and writes nothing."""
+    from epikv.bench.accuracy.design import Study
+    from epikv.bench.accuracy.regrade import holm_flips, regrade_cell
+
+    study, out = Study(), Path(args.out)
+    rows = [regrade_cell(study, cell, args.out) for cell in study.cells()]
+    updated = sum(r["updated"] for r in rows)
+    print(f"{sum(r['records'] for r in rows)} records graded again, {updated} updated")
+    if not updated:
+        return 0
+    moved = [m for r in rows for m in r["moved"]]
+    result: dict[str, Any] = {"records": sum(r["records"] for r in rows), "updated": updated}
+    result["moved_per_cell"] = {r["cell"]: len(r["moved"]) for r in rows if r["moved"]}
+    result["moved"] = moved
+    summary = out / "summary.json"
+    if summary.is_file():
+        before = json.loads(summary.read_text(encoding="utf-8"))
+        result["holm_flipped"] = holm_flips(before, _write_summary(study, out))
+    (out / "regrade.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"{len(moved)} verdicts moved: {out / 'regrade.json'}")
     return 0
 
 
