@@ -175,3 +175,22 @@ def test_masked_zscore():
     z = scoring.masked_zscore(x, mask)
     assert z[0, 3] == 0
     assert z[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3)
+
+
+def test_key_variance_in_slices_changes_no_bit_and_holds_no_whole_float64_copy(monkeypatch):
+    """Issue 57: the variance is taken over slices of L holding at most VARIANCE_CHUNK_BYTES of float64
+    (the whole-tensor float64 copy and its centred copy were 16 bytes an element beside float32 keys)."""
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 4, 3, 500, 64, generator=gen) * 3 + torch.randn(2, 4, 3, 1, 64, generator=gen)
+    whole = keys.double()
+    want = (whole - whole.mean(dim=-1, keepdim=True)).square().mean(dim=-1).float()  # (N, B, H, L)
+    for chunk in (1, 8 * 64 * 24 * 7, 1 << 30):  # a slot a slice, seven slots, all at once
+        monkeypatch.setattr(scoring, "VARIANCE_CHUNK_BYTES", chunk)
+        assert torch.equal(scoring.slot_variance(keys), want)
+        assert torch.equal(scoring.key_variance(keys), want.mean(dim=0).mean(dim=1))
+    monkeypatch.setattr(scoring, "VARIANCE_CHUNK_BYTES", 8 * 64 * 24 * 7)
+    from epikv.bench.shared.machine import peak_allocated
+
+    result = 2 * 4 * 3 * 500 * 4
+    extra = peak_allocated(lambda: scoring.slot_variance(keys)) - result
+    assert 0 < extra <= scoring.VARIANCE_CHUNK_BYTES + 7 * 24 * 8 + 1024, extra  # + the slice's means

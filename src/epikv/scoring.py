@@ -9,6 +9,8 @@ slots, D = head dim, W = window.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 EPS = 1e-6
@@ -86,19 +88,46 @@ def lag_normalized_spread(x: torch.Tensor, lag: int, reference: str = "previous"
     return out
 
 
+VARIANCE_CHUNK_BYTES = 16 << 20
+"""The most float64 temporary bytes :func:`slot_variance` holds at once (issue 57: a whole float64
+copy of a layer's keys at 16 rows of K = 4,096 in a Llama-8B shape is 0.55 GB, and each pass made
+another)."""
+
+
+def slot_variance(keys: torch.Tensor) -> torch.Tensor:
+    """Population variance over the last dim of every vector of ``keys`` (..., L, D) -> (..., L) float32.
+
+    Two passes in float64, rounded once to float32: the variance of float32 keys as ``torch.var``
+    gives it (its Welford recurrence in float64), bit for bit on every row checked, several times
+    faster on an AVX2 CPU (docs/vllm-bench.md). On keys held in bfloat16 a few rows in ten thousand
+    have a variance exactly halfway between two float32 values; this rounds it to even,
+    ``torch.var`` to either side. Computed over slices of L holding at most
+    :data:`VARIANCE_CHUNK_BYTES` of float64, so no float64 copy of the whole tensor exists; each
+    vector's variance is its own reduction, so the slicing changes no bit.
+    """
+    *lead, length, d = keys.shape
+    out = torch.empty(*lead, length, dtype=torch.float32, device=keys.device)
+    per_slot = max(1, d * 8 * math.prod(lead))
+    step = max(1, VARIANCE_CHUNK_BYTES // per_slot)
+    for lo in range(0, length, step):
+        out[..., lo : lo + step] = _variance64(keys[..., lo : lo + step, :])
+    return out
+
+
+def _variance64(keys: torch.Tensor) -> torch.Tensor:
+    """:func:`slot_variance` of one slice: its one float64 temporary is freed on return, before the
+    next slice's is made."""
+    x = keys.double()
+    return x.sub_(x.mean(dim=-1, keepdim=True)).square_().mean(dim=-1)
+
+
 def key_variance(keys: torch.Tensor) -> torch.Tensor:
     """Per-slot key variance over head_dim averaged over heads (Seg tiers, §1.6 step 2).
 
-    keys: (B, H, L, D) or (N, B, H, L, D) for N layers (averaged too). Returns (B, L).
-
-    The population variance is computed in two passes in float64 and rounded once to float32: the
-    variance of float32 keys as ``torch.var`` gives it (its Welford recurrence in float64), bit for
-    bit on every row checked, several times faster on an AVX2 CPU (docs/vllm-bench.md). On keys held in
-    bfloat16 a few rows in ten thousand have a variance exactly halfway between two float32 values;
-    this rounds it to even, ``torch.var`` to either side.
+    keys: (B, H, L, D) or (N, B, H, L, D) for N layers (averaged too). Returns (B, L). Each key's
+    variance is :func:`slot_variance`'s.
     """
-    x = keys.double()
-    var = (x - x.mean(dim=-1, keepdim=True)).square().mean(dim=-1).float()
+    var = slot_variance(keys)
     if var.dim() == 4:
         var = var.mean(dim=0)
     return var.mean(dim=1)

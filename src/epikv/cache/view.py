@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from epikv import scoring
+
 
 @dataclass
 class SequenceStats:
@@ -48,6 +50,9 @@ class SlotView:
 
     def values(self, layer: int) -> torch.Tensor:
         return self._pick(self._cache.layers[layer].values)
+
+    def key_variance(self, layer: int) -> torch.Tensor:
+        return scoring.slot_variance(self.keys(layer))
 
     def positions(self, layer: int | None = None) -> torch.Tensor:
         layer = self.layers[0] if layer is None else layer

@@ -21,11 +21,12 @@ from epikv.policies.registry import register
 
 
 def mean_key_variance(view: CacheView) -> torch.Tensor:
-    """Key variance over head_dim averaged over heads and every evicting layer, (B, L)."""
+    """Key variance over head_dim averaged over heads and every evicting layer, (B, L): one layer's
+    variances at a time (the view reads keys in bounded pieces), never a whole layer's float64 keys."""
     first, *rest = view.layers
-    total = scoring.key_variance(view.keys(first))
+    total = view.key_variance(first).mean(dim=1)
     for layer in rest:
-        total = total + scoring.key_variance(view.keys(layer))
+        total = total + view.key_variance(layer).mean(dim=1)
     return total / len(view.layers)
 
 

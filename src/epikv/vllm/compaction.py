@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from epikv import scoring
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec
 from epikv.vllm.paged import PagedKV
@@ -150,7 +151,6 @@ class PagedView:
         self.sorted_positions = raw.gather(-1, order).masked_fill(~self.valid[None, :, None, :], -1).long()
         self.view_slots = slots[None, :, None, :].expand_as(order).gather(-1, order)
         self.buffers = {name: self._gather(buf) for name, buf in store.buffers.items()}
-        self._offsets: dict[tuple[int, str], torch.Tensor] = {}
 
     def _gather(self, table: torch.Tensor) -> torch.Tensor:
         g = torch.arange(table.shape[0])[:, None, None, None]
@@ -174,22 +174,27 @@ class PagedView:
         return part if shards is None else shards.gather(part.contiguous(), 1)
 
     def keys(self, layer: int) -> torch.Tensor:
-        return self._read(layer, "key")
+        return self._whole(self._paged(layer, "key"))
 
     def values(self, layer: int) -> torch.Tensor:
-        return self._read(layer, "value")
+        return self._whole(self._paged(layer, "value"))
 
-    def _read(self, layer: int, part: str) -> torch.Tensor:
-        """Keys or values of ``layer``; their page offsets are computed once per view when every
-        layer shares one order (a policy reads every layer: Seg's key variance), else per layer."""
-        paged = self._store.paged  # holds the evicting layers only, in order
-        group = self._group(layer)
-        offsets = self._offsets.get((group, part))
-        if offsets is None:
-            offsets = paged.offsets(self._head_slots(layer), part)
-            if self._store.groups == 1:
-                self._offsets[(group, part)] = offsets
-        return self._whole(paged.read(self.layers.index(layer), offsets).float())
+    def key_variance(self, layer: int) -> torch.Tensor:
+        """(B, H, L): each key's variance over D, read and reduced over the pool's pieces of slots, so
+        neither this layer's keys in float32 nor their float64 copy is ever whole."""
+        paged = self._store.paged
+        slots = self._head_slots(layer)
+        out = torch.empty(slots.shape, dtype=torch.float32)
+        for piece in paged.pieces(slots):
+            keys = paged.gather(self.layers.index(layer), slots[..., piece], "key")
+            out[..., piece] = scoring.slot_variance(keys)
+        return self._whole(out)
+
+    def _paged(self, layer: int, part: str) -> torch.Tensor:
+        """This rank's keys or values of ``layer`` in float32, (B, H, L, D), read in bounded pieces
+        (the pages hold the evicting layers only, in order)."""
+        index, slots = self.layers.index(layer), self._head_slots(layer)
+        return self._store.paged.gather(index, slots, part, torch.float32)
 
     def positions(self, layer: int | None = None) -> torch.Tensor:
         return self.sorted_positions[self._group(self.layers[0] if layer is None else layer)]

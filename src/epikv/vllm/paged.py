@@ -13,6 +13,7 @@ is ``block_id * B + s % B`` (one number per token slot of the pool, what vLLM's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -104,6 +105,12 @@ class PagedKV:
     """The most temporary bytes one copy of :meth:`move` allocates (its values and page offsets), so a
     compaction's extra memory is a constant, not a multiple of layers x pairs x heads x 2D."""
 
+    read_bytes = 16 << 20
+    """The most temporary bytes one piece of a read (:meth:`gather`) allocates (its int64 page offsets
+    and values), so reading a layer costs its result and a constant (issue 57: offsets of every
+    head, slot and dim at once were int64 twice over, 1.1 GB at 16 rows of K = 4,096 in a Llama-8B
+    shape)."""
+
     def __init__(self, layers: Sequence[torch.Tensor], layout: PageLayout) -> None:
         first = layers[0]
         _, h, b, two_d = first.shape
@@ -139,23 +146,37 @@ class PagedKV:
 
     def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Keys of ``layer`` at global slots (..., H, L), one row of slots per KV head -> (..., H, L, D)."""
-        return self.read(layer, self.offsets(slots, "key"))
+        return self.gather(layer, slots, "key")
 
     def values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Values of ``layer`` at global slots (..., H, L) -> (..., H, L, D)."""
-        return self.read(layer, self.offsets(slots, "value"))
+        return self.gather(layer, slots, "value")
 
-    def offsets(self, slots: torch.Tensor, part: str) -> torch.Tensor:
-        """Element offsets of the keys (``part`` "key") or values of global slots (..., H, L) in
-        every layer but for the layer's own base, (..., H, L, D): computed once, read per layer."""
+    def gather(
+        self, layer: int, slots: torch.Tensor, part: str, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The keys (``part`` "key") or values of ``layer`` at global slots (..., H, L), as
+        (..., H, L, D) in ``dtype`` (the pool's by default): read over :meth:`pieces` of L, so what a
+        read allocates beside its result is at most :attr:`read_bytes`."""
+        out = torch.empty(*slots.shape, self.head_dim, dtype=dtype or self.dtype, device=self.flat.device)
+        for piece in self.pieces(slots):
+            out[..., piece, :] = self._piece(layer, slots[..., piece], part)
+        return out
+
+    def pieces(self, slots: torch.Tensor) -> list[slice]:
+        """Slices of the last dim of ``slots`` (..., H, L) whose reads each hold at most
+        :attr:`read_bytes`: two int64 page offsets and one value per element read."""
+        per_slot = math.prod(slots.shape[:-1]) * self.head_dim * (2 * 8 + self.flat.element_size())
+        step = max(1, self.read_bytes // max(1, per_slot))
+        return [slice(lo, lo + step) for lo in range(0, slots.shape[-1], step)]
+
+    def _piece(self, layer: int, slots: torch.Tensor, part: str) -> torch.Tensor:
+        """Keys or values of ``layer`` at global slots (..., H, l), in the pool's dtype."""
         block, token = self._page(slots)
         head = torch.arange(self.num_heads)[:, None] * self.head_stride  # (H, 1)
         table = self.layout.key if part == "key" else self.layout.value
-        return (block + head)[..., None] + table[token]
-
-    def read(self, layer: int, offsets: torch.Tensor) -> torch.Tensor:
-        """What :meth:`offsets` addresses, in ``layer``."""
-        return self.flat[offsets + self.layer_base[layer]]
+        base = block + head + self.layer_base[layer]  # (..., H, l)
+        return self.flat[base[..., None] + table[token]]
 
     # -- moving ------------------------------------------------------------------------------------
     def move(
