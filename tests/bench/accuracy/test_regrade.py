@@ -66,3 +66,23 @@ def test_holm_flips_lists_the_tests_whose_call_at_005_changed():
         ("arms/gsm8k/levels/192/pairs/tests: x vs y (correct)", True, False)
     ]
     assert holm_flips(summary(0.04, 0.5), summary(0.01, 0.9)) == []
+
+
+def test_the_provenance_table_numbers_pieces_per_cell_and_keeps_unrecorded_facts_null(tmp_path):
+    from epikv.bench.accuracy.provenance import table
+
+    xeon = {"model": "Intel Xeon", "flags": ["avx2"]}
+    lines = [
+        {"cell": "a", "generated": 96, "kept": 64, "skipped": 0, "cpu": xeon, "code": None, "note": "cut"},
+        {"cell": "b", "generated": 0, "skipped": 1, "cpu": None, "code": None, "note": "added"},
+        {"cell": "a", "generated": 64, "skipped": 2, "cpu": {"model": "AMD EPYC"}, "code": "273c4c9"},
+    ]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    found = table(tmp_path)
+    rows = [(r["cell"], r["piece"], r["kept"], r["records_after"], r["code"], r["cpu"], r["annotated"])
+            for r in found["pieces"]]  # fmt: skip
+    assert rows == [
+        ("a", 1, 64, 64, None, "Intel Xeon", True), ("b", 1, 0, 1, None, None, True),
+        ("a", 2, 64, 130, "273c4c9", "AMD EPYC", False),
+    ]  # fmt: skip
+    assert found["cells"]["a"] == {"codes": [None, "273c4c9"], "cpus": ["Intel Xeon", "AMD EPYC"]}

@@ -1,12 +1,12 @@
 """``epikv bench accuracy status|run|summarize|compare|regrade``: the accuracy study on a model that can do
 the task.
 
-``status`` lists every cell with what its folder holds, what it owes and the minutes that would
-take at the speed its engine has shown; ``run`` computes cells one at a time (named, or the next N
-that owe work), resuming each; ``summarize`` recomputes every number from the run folders and
-writes ``summary.json``, ``summary.md`` and ``accuracy.png`` beside them; ``compare`` sets cells run
-again into another folder (``run --out``, on another machine) against the study's; ``regrade`` grades
-the stored generations again after a grading rule changed (``regrade.py``). Nothing here runs two
+``status`` lists every cell with what its folder holds, what it owes and the minutes that would take at
+the speed its engine has shown; ``run`` computes cells one at a time (named, or the next N that owe
+work), resuming each; ``summarize`` recomputes every number from the run folders and writes
+``summary.json``, ``summary.md``, ``accuracy.png`` and ``provenance.json`` beside them; ``compare`` sets
+cells run again into another folder (``run --out``, on another machine) against the study's; ``regrade``
+grades the stored generations again after a grading rule changed (``regrade.py``). Nothing here runs two
 cells at once: on two cores each would halve the other.
 """
 
@@ -90,12 +90,15 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def _write_summary(study: Any, out: Path) -> dict[str, Any]:
-    """summary.json, summary.md and accuracy.png in ``out``, recomputed from its run folders."""
+    """summary.json, summary.md and accuracy.png in ``out``, recomputed from its run folders, and
+    provenance.json (which code and CPU made each piece) from its runs.jsonl."""
+    from epikv.bench.accuracy.provenance import table
     from epikv.bench.accuracy.report import markdown, plot
     from epikv.bench.accuracy.summary import number_ids, summarize
 
     result = summarize(study, str(out), number_ids(str(out), study.model))
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (out / "provenance.json").write_text(json.dumps(table(out), indent=1) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(markdown(result), encoding="utf-8")
     print(out / "summary.json")
     print(out / "summary.md")
