@@ -116,9 +116,12 @@ def agree(a: list[int], b: list[int]) -> int:
 
 
 @contextlib.contextmanager
-def serve(model: str, args: list[str], settings: dict[str, Any], log: Path) -> Iterator[str]:
+def serve(
+    model: str, args: list[str], settings: dict[str, Any], log: Path, faults: bool = False
+) -> Iterator[str]:
     """vLLM's OpenAI server on ``model`` with the plugin (``settings``) and ``args``, as a user starts
-    it, on 127.0.0.1 and a free port (fp32, eager); yields its base URL and stops it afterwards."""
+    it, on 127.0.0.1 and a free port (fp32, eager); yields its base URL and stops it afterwards.
+    ``faults``: a request of ``epikv_budget`` 77 fails in the worker (``faults/sitecustomize.py``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -130,6 +133,10 @@ def serve(model: str, args: list[str], settings: dict[str, Any], log: Path) -> I
         "--served-model-name", "smollm2", *args, "--additional-config", json.dumps({"epikv": settings}),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    if faults:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(__file__).with_name("faults")), env.get("PYTHONPATH")) if p
+        )
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

@@ -94,8 +94,9 @@ def test_requests_that_finish_at_different_times_give_their_solo_tokens(embedded
         assert tokens(generate(llm, [prompt], n))[0] == got
 
 
-def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded):
-    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("epikv", 96, interval=16))
+def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded, monkeypatch):
+    seg_q = epikv.vllm.engine_kwargs("epikv", 96, interval=16)
+    llm = make_llm(embedded["folder"], max_model_len=512, **seg_q)
     state = worker_state(llm)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     layer = state.spec.policy.query_layer
@@ -117,13 +118,49 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded):
     torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-5, rtol=1e-5)
     counters = [o.kv_transfer_params["epikv"] for o in out]
     assert all(c["peak_cache_tokens"] <= 96 + 16 and c["evictions"] > 0 for c in counters)
+    stops_at_max_model_len_and_serves_on(llm)
+    a_fault_fails_its_request_alone(llm, embedded["prompts"], tokens(out), monkeypatch)
     close(llm)
+
+
+def stops_at_max_model_len_and_serves_on(llm):
+    """Issue 57 item 1, offline: a 400-token prompt runs at K = 528 (its prompt and a recent window of
+    128), so its cap is 544 tokens, 17 blocks, past the runner's row of 512 // 32 = 16: the
+    reservation is clamped as vLLM clamps its own. vLLM stops the request at max_model_len (112 new
+    tokens, ``length``) and the engine serves on. Before: EngineDeadError for every later call."""
+    prompt = [(7 * i) % 900 + 100 for i in range(400)]
+    done = generate(llm, [prompt], 512)[0]
+    assert done.outputs[0].finish_reason == "length" and len(done.outputs[0].token_ids) == 512 - 400
+    assert done.kv_transfer_params["epikv"]["budget"] == 528
+    assert [o.outputs[0].finish_reason for o in generate(llm, [prompt[:50]], 8)] == ["length"]
+
+
+def a_fault_fails_its_request_alone(llm, prompts, solo, monkeypatch):
+    """Under Seg-Q, the default: scoring raises whenever request 1 is among the rows scored; it fails
+    alone with its line (the batched call is retried row by row), the others give their tokens."""
+    policy = type(worker_state(llm).spec.policy)
+    score, bad = policy.score, len(prompts[1])
+    assert bad not in [len(p) for i, p in enumerate(prompts) if i != 1]
+
+    def broken(self, state, view):
+        if bad in view.prompt_len.tolist():
+            raise RuntimeError("a fault for the test")
+        return score(self, state, view)
+
+    monkeypatch.setattr(policy, "score", broken)
+    out = generate(llm, prompts, N)
+    monkeypatch.undo()
+    assert [o.outputs[0].finish_reason for o in out] == ["length", "error", "length", "length"]
+    line = out[1].kv_transfer_params["epikv"]["error"]
+    assert line.endswith("compaction failed: RuntimeError: a fault for the test")
+    assert [tokens(out)[i] for i in (0, 2, 3)] == [solo[i] for i in (0, 2, 3)]
+    assert tokens(generate(llm, [prompts[1]], N)) == [solo[1]]
 
 
 def test_a_pool_for_one_full_request_runs_many_bounded_ones_without_preemption(tiny):
     """Admission alone, on the tiny Llama (the model does not matter, and it is fast)."""
     blocks = 16  # 512 tokens: one 420-token request's full cache fits, two do not
-    pool = {"num_gpu_blocks_override": blocks, "max_model_len": 512}
+    pool = {"num_gpu_blocks_override": blocks, "max_model_len": 480}  # 15 usable: what one request holds
     llm = make_llm(tiny["llama"], **pool, **epikv.vllm.engine_kwargs("streaming", 96))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     running, held, schedule = [], [], scheduler.schedule

@@ -70,7 +70,8 @@ def _tight_run(folder, headroom: bool):
     """8 requests of 9 prompt tokens and 100 new ones on a pool of 10 blocks: each holds one global
     block (K + 1 = 25 tokens) and one or two sliding ones (two while its window straddles a block)."""
     pool = {"num_gpu_blocks_override": 10, "max_num_batched_tokens": 64}  # a sliding window: 4 blocks at most
-    llm = make_llm(folder, max_model_len=512, **pool, **epikv.vllm.engine_kwargs("streaming", 24))
+    # 9 usable blocks: one request of max_model_len (5 global blocks and 4 sliding ones), as vLLM checks
+    llm = make_llm(folder, max_model_len=160, **pool, **epikv.vllm.engine_kwargs("streaming", 24))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     if not headroom:
         for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
@@ -123,7 +124,8 @@ def test_a_request_that_can_never_be_placed_is_refused_at_arrival_and_the_queue_
     from vllm import SamplingParams
 
     pool = {"num_gpu_blocks_override": 12, "max_num_batched_tokens": 64}
-    llm = make_llm(gemma3, max_model_len=512, **pool, **epikv.vllm.engine_kwargs("streaming", 200))
+    # 11 usable blocks: one request of max_model_len (7 global blocks and 4 sliding ones), as vLLM checks
+    llm = make_llm(gemma3, max_model_len=224, **pool, **epikv.vllm.engine_kwargs("streaming", 200))
     long, fits, small = _prompts([100, 100, 9])
     engine, done = llm.llm_engine, {}
     for rid, prompt, n in [("never", long, 300), ("fits", fits, 92), ("small", small, 10)]:

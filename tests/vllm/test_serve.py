@@ -15,7 +15,8 @@ from engines import metric, serve
 def server(embedded, tmp_path_factory):
     args = ["--max-model-len", "4096", "--enable-prefix-caching", "--block-size", "32"]
     settings = {"policy": "epikv", "budget": 128, "interval": 16}  # every answer below evicts
-    with serve(embedded["folder"], args, settings, tmp_path_factory.mktemp("serve") / "server.log") as base:
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with serve(embedded["folder"], args, settings, log, faults=True) as base:  # epikv_budget 77 fails
         yield base
 
 
@@ -51,6 +52,42 @@ def test_a_bad_budget_is_a_400_naming_it(server):
             "vllm_xargs": {"epikv_budget": 100000}}  # fmt: skip
     reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400 and "epikv_budget=100000" in reply.text
+
+
+def test_a_streamed_refusal_is_a_400_before_any_stream_as_vllms_own_are(server):
+    body = {
+        "model": "smollm2",
+        "max_tokens": 4,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    answers = []
+    for extra in ({"vllm_xargs": {"epikv_budget": 100000}}, {"temperature": -1.0}):  # epikv's, vLLM's
+        with httpx.stream("POST", server + "/v1/chat/completions", json={**body, **extra}, timeout=60) as r:
+            r.read()
+            answers.append((r.status_code, r.headers["content-type"], json.loads(r.text)["error"]))
+    assert [(status, kind) for status, kind, _ in answers] == [(400, "application/json")] * 2
+    error = answers[0][2]
+    assert error["param"] == "epikv_budget" and error["message"].startswith("epikv: epikv_budget=100000")
+
+
+def test_a_request_the_plugin_fails_is_a_500_with_its_epikv_line_and_the_server_serves_on(server):
+    """A fault in the worker (a request of budget 77 fails in its prefill: ``faults/``) may pass: it
+    is vLLM's 500 for a request-level error, carrying the epikv line, streamed or not."""
+    body = {"model": "smollm2", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+            "vllm_xargs": {"epikv_budget": 77}}  # fmt: skip
+    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=300)
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"], error["type"]) == (500, 500, "InternalServerError")
+    assert error["message"].startswith("epikv: request chatcmpl-")
+    assert error["message"].endswith("prefill failed: RuntimeError: a fault for the test")
+    with httpx.stream(
+        "POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events[-1]["error"]["code"] == 500
+    assert events[-1]["error"]["message"].endswith("prefill failed: RuntimeError: a fault for the test")
+    assert chat(server, "Hi", 4).status_code == 200
 
 
 def test_beam_search_is_refused_in_one_line(server):

@@ -102,8 +102,9 @@ BUDGET_ARG = "epikv_budget"  # SamplingParams.extra_args key (``vllm_xargs`` in 
 @dataclass(frozen=True)
 class RequestPlan:
     """What one request may hold: budget, its K (None: never evicts); cap, the most physical tokens
-    it ever holds (:meth:`CacheSpec.cap_tokens`); reserve, what admission charges it: the cap or, if
-    smaller, its prompt plus ``max_tokens`` (None: nothing reserved, it grows as in plain vLLM)."""
+    it ever holds (:meth:`CacheSpec.cap_tokens`); reserve, what admission charges it, the spec's peak
+    (:meth:`CacheSpec.peak_tokens`) of what vLLM lets it generate (None: nothing reserved, it grows
+    as in plain vLLM)."""
 
     budget: int | None
     cap: int | None
@@ -111,13 +112,21 @@ class RequestPlan:
 
 
 def plan_request(
-    spec: CacheSpec, prompt_tokens: int, max_tokens: int | None, extra_args: Mapping[str, Any] | None
+    spec: CacheSpec,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    extra_args: Mapping[str, Any] | None,
+    max_model_len: int | None = None,
 ) -> RequestPlan:
     """The one rule for a request on both sides of vLLM (front end, scheduler, worker): its budget
     (``extra_args["epikv_budget"]``, 1..the server's K, or the server's K; raised for a prompt whose
     protected tokens pass it: :meth:`~epikv.spec.CacheSpec.prompt_budget`), its cap and its
-    reservation. Raises an :class:`~epikv.errors.AdmissionError` (one line, naming the request field
-    to blame) for a bad budget."""
+    reservation: the spec's peak (:meth:`~epikv.spec.CacheSpec.peak_tokens`) of the tokens vLLM lets
+    it generate, ``max_tokens`` clamped as vLLM clamps them (a request stops at ``max_model_len``
+    tokens, prompt included; None: no context limit, outside vLLM). So a reservation never passes
+    ``max_model_len``, nor the runner's block-table row of cdiv(max_model_len, block) blocks. Raises
+    an :class:`~epikv.errors.AdmissionError` (one line, naming the request field to blame) for a bad
+    budget."""
     raw = (extra_args or {}).get(BUDGET_ARG)
     budget = spec.budget
     if raw is not None:
@@ -129,22 +138,55 @@ def plan_request(
     cap = spec.cap_tokens(prompt_tokens, budget)
     if cap is None:
         return RequestPlan(None, None, None)
-    reserve = cap if max_tokens is None else min(cap, prompt_tokens + max_tokens)
+    new = max_tokens
+    if max_model_len is not None:
+        room = max(0, max_model_len - prompt_tokens)
+        new = room if new is None else min(new, room)
+    reserve = cap if new is None else spec.peak_tokens(prompt_tokens, new, budget)
     return RequestPlan(budget, cap, reserve)
 
 
-def check_pool(plan: RequestPlan, block_size: int, usable_blocks: int, window_blocks: int = 0) -> None:
+def longest_request(spec: CacheSpec, max_model_len: int) -> int:
+    """The most tokens one request can hold in an engine of context ``max_model_len``: the plan of
+    the longest prompt vLLM admits (max_model_len - 1 tokens, then one new token). A prompt is held
+    whole until its first compaction, so this is max_model_len, or a token less: what vLLM's
+    start-up check and auto-fit must see, as for plain vLLM (the cap bounds how many requests share
+    the pool, not how long a context one request brings)."""
+    prompt = max(0, max_model_len - 1)
+    return plan_request(spec, prompt, 1, None, max_model_len).reserve or max_model_len
+
+
+def check_pool(
+    spec: CacheSpec,
+    plan: RequestPlan,
+    prompt_tokens: int,
+    block_size: int,
+    usable_blocks: int,
+    window_blocks: int = 0,
+) -> None:
     """Raise :class:`~epikv.errors.PoolTooSmall` (one line) for a request whose reservation, in
     blocks, and its sliding windows' blocks pass the whole KV pool of one replica: no wait would
-    admit it. The one rule of the front end (a 400) and the scheduler (for inputs that come another
-    way, and hybrids' windows, which only the scheduler counts)."""
+    admit it. It blames the prompt (``field`` "prompt") when the prompt with one new token already
+    passes the pool, so no ``max_tokens`` would do, and ``max_tokens`` otherwise. The one rule of the
+    front end (a 400) and the scheduler (for inputs that come another way, and hybrids' windows,
+    which only the scheduler counts)."""
     blocks = -(-(plan.reserve or 0) // block_size)
-    if blocks + window_blocks > usable_blocks:
-        raise PoolTooSmall(
-            f"this request reserves {plan.reserve} tokens ({blocks} blocks of {block_size}"
-            + (f", and {window_blocks} for its sliding windows" if window_blocks else "")
-            + f"), more than the whole KV pool ({usable_blocks} blocks)"
+    if blocks + window_blocks <= usable_blocks:
+        return
+    least = spec.peak_tokens(prompt_tokens, 1, plan.budget)
+    windows = f", and {window_blocks} for its sliding windows" if window_blocks else ""
+    if -(-least // block_size) + window_blocks > usable_blocks:
+        err = PoolTooSmall(
+            f"a prompt of {prompt_tokens} tokens holds {least} tokens with its first new one "
+            f"({-(-least // block_size)} blocks of {block_size}{windows}), more than the whole KV pool "
+            f"({usable_blocks} blocks)"
         )
+        err.field = "prompt"
+        raise err
+    raise PoolTooSmall(
+        f"this request reserves {plan.reserve} tokens ({blocks} blocks of {block_size}{windows}), more "
+        f"than the whole KV pool ({usable_blocks} blocks)"
+    )
 
 
 def model_info(vllm_config: Any) -> ModelInfo:

@@ -5,18 +5,16 @@ by the scheduler). The front end's output processor keeps the latest per request
 (:class:`Latest`) and counts a request once, when vLLM counts it finished (the same place that feeds
 ``vllm:request_success_total``: EOS, length, stop strings, errors, engine aborts), or when a client
 aborts it (a disconnect: vLLM counts none, so neither does ``epikv:requests_total``; it goes to
-``epikv:requests_aborted_total``). Nothing outlives its request but a failed request's epikv line,
-kept (at most 1,024) until its response is built. Each metric carries vLLM's ``model_name`` label
-and ``finished_reason`` where vLLM has it.
+``epikv:requests_aborted_total``). Nothing outlives its request (a failed request's epikv line travels
+on its own output to its response: :mod:`epikv.vllm.answers`). Each metric carries vLLM's
+``model_name`` label and ``finished_reason`` where vLLM has it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 KEY = "epikv"
-MAX_ERRORS = 1024  # failed requests' lines kept for their responses (an offline engine reads none)
 _METRICS: dict[str, Any] = {}
 PEAK_BUCKETS = tuple(float(2**i) for i in range(4, 18))  # 16 .. 131,072 tokens
 
@@ -69,31 +67,14 @@ class Latest:
         self.model = model
         self.stats: dict[str, dict[str, Any]] = {}
         self.aborting = False  # inside abort_requests (which recurses into a parent's children)
-        # a failed request's epikv line by the client's request id, until its response is built
-        # (bounded: an offline engine builds none)
-        self.errors: OrderedDict[str, str] = OrderedDict()
 
     def see(self, outputs: Any, running: Any) -> None:
         """Keep the counters on ``outputs`` of requests still ``running`` (late outputs of aborted
-        ones are dropped, as vLLM drops them), and each failed request's line."""
+        ones are dropped, as vLLM drops them)."""
         for out in outputs:
             params = out.kv_transfer_params
             if params and KEY in params and out.request_id in running:
                 self.stats[out.request_id] = params[KEY]
-                if "error" in params[KEY]:
-                    state = running[out.request_id]
-                    owner = state.parent_req if state.parent_req is not None else state
-                    self.errors[owner.external_req_id] = params[KEY]["error"]
-                    while len(self.errors) > MAX_ERRORS:
-                        self.errors.popitem(last=False)
-
-    def error_of(self, request_id: str) -> str | None:
-        """The epikv line of a failed request (by the id its client gave; a prompt of a multi-prompt
-        completion is ``{id}-{index}``), once."""
-        if request_id in self.errors:
-            return self.errors.pop(request_id)
-        key = next((k for k in self.errors if k.startswith(f"{request_id}-")), None)
-        return self.errors.pop(key) if key is not None else None
 
     def finished(self, req_id: str, reason: Any) -> None:
         observe_finished(self.model, self.stats.pop(req_id, None), None if reason is None else str(reason))

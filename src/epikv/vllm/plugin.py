@@ -6,18 +6,20 @@ wraps, each keyed by the engine it belongs to (its own ``vllm_config``), never b
   gets the plugin's worker and scheduler (unless the user named others) and is checked once, at
   start-up, with one line per refusal;
 - the front end's input processor, so a request that cannot run under its budget (or names a bad
-  ``epikv_budget``) is refused before it reaches the engine (an HTTP 400 under ``vllm serve``); the
-  scheduler checks the same rule again for inputs that come another way;
+  ``epikv_budget``) is refused before it reaches the engine; the scheduler checks the same rule
+  again for inputs that come another way;
 - beam search, refused per request in one line (each beam step is a new request that never evicts);
 - the front end's output processor, so each finished request's counters become Prometheus metrics
   (:mod:`epikv.vllm.metrics`), labelled with the engine's served model name;
-- the OpenAI chat and completion streams, so the chunk with a finish reason carries the request's
-  counters (``kv_transfer_params``, as the non-streamed responses do).
+- what ``vllm serve`` answers (:mod:`epikv.vllm.answers`): a refusal is an HTTP 400 before any
+  stream starts, a request the plugin failed answers with its epikv line (a 400 when it can never
+  run, vLLM's 500 otherwise), and a stream's finishing chunk carries the request's counters.
 Without that key nothing changes.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import Callable
@@ -70,9 +72,17 @@ def register() -> None:
     _wrap_inputs()
     _wrap_beam_search()
     _wrap_outputs()
-    _wrap_chat_stream()
-    _wrap_errors()
+    _wrap_answers()
     _DONE = True
+
+
+def _wrap_answers() -> None:
+    """What ``vllm serve`` answers (:mod:`epikv.vllm.answers`)."""
+    from epikv.vllm import answers
+
+    answers.wrap_generate(lambda config: _settings(config) is not None, _check_request, PROMPT_FIELD)
+    answers.wrap_chat_field(PROMPT_FIELD)
+    answers.wrap_chat_stream(lambda config: _settings(config) is not None, _guard)
 
 
 def _settings(vllm_config: Any) -> Any:
@@ -85,7 +95,15 @@ def _check(settings: Any, vllm_config: Any) -> None:
     from epikv.vllm.config import SCHEDULER, WORKER, Refused, model_info
     from epikv.vllm.refusals import check_engine
 
-    check_engine(vllm_config, settings.spec(model_info(vllm_config)))
+    spec = settings.spec(model_info(vllm_config))
+    check_engine(vllm_config, spec)
+    if spec.evicts:
+        log.info(
+            "epikv: %s; each request holds at most its cap and is charged min(cap, prompt + max_tokens, "
+            "max_model_len); a prompt is held whole until its first compaction, so vLLM's start-up check "
+            "and auto-fit count one request of max_model_len tokens as in plain vLLM",
+            spec.describe(),
+        )
     worker = vllm_config.parallel_config.worker_cls
     scheduler = vllm_config.scheduler_config.scheduler_cls
     if not _named(worker, WORKER) or not _named(scheduler, SCHEDULER):
@@ -122,37 +140,59 @@ def _wrap_inputs() -> None:
     @functools.wraps(process)
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         request = process(self, *args, **kwargs)
-        spec = engine_spec(self, self.vllm_config)
-        if spec is not None and request.prompt_token_ids is not None:
-            _admit(spec, request, getattr(self, "epikv_pool", None), self.vllm_config.cache_config.block_size)
+        if request.prompt_token_ids is not None:
+            _check_request(self, len(request.prompt_token_ids), request.sampling_params)
         return request
 
     InputProcessor.process_inputs = process_inputs  # type: ignore[method-assign]
 
 
-def _admit(spec: Any, request: Any, pool: int | None, block_size: int) -> None:
+def _check_request(processor: Any, prompt_tokens: int, params: Any) -> None:
+    """The front end's check of one request on ``processor``'s engine (nothing without the key)."""
+    spec = engine_spec(processor, processor.vllm_config)
+    if spec is not None:
+        config, pool = processor.vllm_config, getattr(processor, "epikv_pool", None)
+        block, context = config.cache_config.block_size, config.model_config.max_model_len
+        _admit(spec, prompt_tokens, params, pool, block, context)
+
+
+PROMPT_FIELD: contextvars.ContextVar[str] = contextvars.ContextVar("epikv_prompt_field", default="prompt")
+"""The request field that holds the prompt, as the OpenAI endpoint being served names it (``messages``
+for a chat); set by :func:`_wrap_chat_field` for the call that builds the request."""
+
+
+def _admit(
+    spec: Any, tokens: int, params: Any, pool: int | None, block_size: int, max_model_len: int
+) -> None:
     """The request rule (a bad budget, also under ``full``) and, once the front end knows one
     replica's pool (``pool``, usable blocks; None for hybrids, whose windows only the scheduler
-    counts), the pool rule: each a 400 naming the request's field."""
+    counts), the pool rule: each a 400 naming the request's field (the prompt when the prompt alone
+    passes the pool, ``max_tokens`` when a smaller one would fit)."""
     from vllm.exceptions import VLLMValidationError
 
     from epikv.errors import AdmissionError
-    from epikv.vllm.config import BUDGET_ARG, check_pool, plan_request
+    from epikv.vllm.config import check_pool, plan_request
 
-    params = request.sampling_params
     if params is None:  # pooling: nothing is generated, nothing evicted
         return
-    tokens = len(request.prompt_token_ids)
     try:
-        plan = plan_request(spec, tokens, params.max_tokens, params.extra_args)
+        plan = plan_request(spec, tokens, params.max_tokens, params.extra_args, max_model_len)
         if pool is not None and plan.reserve is not None:
-            check_pool(plan, block_size, pool)
+            check_pool(spec, plan, tokens, block_size, pool)
     except AdmissionError as err:
-        name, value = {
-            "budget": (BUDGET_ARG, (params.extra_args or {}).get(BUDGET_ARG)),
-            "max_new_tokens": ("max_tokens", params.max_tokens),
-        }.get(err.field, ("prompt", tokens))
+        name, value = _field(err.field, params, tokens)
         raise VLLMValidationError(f"epikv: {err}", parameter=name, value=value) from err
+
+
+def _field(field: str, params: Any, tokens: int) -> tuple[str, Any]:
+    """The OpenAI request parameter (and its value) an admission error's ``field`` blames."""
+    from epikv.vllm.config import BUDGET_ARG
+
+    if field == "budget":
+        return BUDGET_ARG, (params.extra_args or {}).get(BUDGET_ARG)
+    if field == "max_new_tokens":
+        return "max_tokens", params.max_tokens
+    return PROMPT_FIELD.get(), tokens
 
 
 def _wrap_beam_search() -> None:
@@ -269,81 +309,3 @@ def _replica_pool(engine: Any) -> int | None:
         return None
     engines = len(getattr(engine.engine_core, "core_engines", None) or [None])
     return total // engines - 1
-
-
-def _wrap_errors() -> None:
-    """A request the worker or scheduler failed (vLLM's ``error`` finish) answers with the epikv
-    line (vLLM's 500 says only "Internal server error"): the front end's counters keep each failed
-    request's line (:class:`epikv.vllm.metrics.Latest`) until its response is built."""
-    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-    from vllm.exceptions import GenerationError
-
-    raise_if_error = GenerateBaseServing._raise_if_error
-
-    @functools.wraps(raise_if_error)
-    def _raise_if_error(self: Any, finish_reason: str | None, request_id: str) -> None:
-        if finish_reason == "error":
-            latest = getattr(getattr(self.engine_client, "output_processor", None), "epikv_latest", None)
-            find = functools.partial(latest.error_of, request_id) if latest is not None else None
-            message = _guard("finding a failed request's line", find) if find is not None else None
-            if message is not None:
-                raise GenerationError(message)
-        raise_if_error(self, finish_reason, request_id)
-
-    GenerateBaseServing._raise_if_error = _raise_if_error  # type: ignore[method-assign]
-
-
-def _wrap_chat_stream() -> None:
-    """The streamed chat and completion responses: each chunk that finishes a choice carries
-    ``kv_transfer_params`` (the counters of that request's last output), as vLLM's non-streamed
-    responses do."""
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-
-    _tap_stream(OpenAIServingChat, "chat_completion_stream_generator", 1, lambda res: res)
-    # the completion stream's results are (prompt index, output) pairs
-    _tap_stream(OpenAIServingCompletion, "completion_stream_generator", 2, lambda pair: pair[1])
-
-
-def _tap_stream(cls: Any, name: str, position: int, output_of: Any) -> None:
-    """Wrap ``cls.name``, an async generator of SSE chunks whose argument ``position`` (after self)
-    is the engine's result generator: the counters of each finished result go on the next chunk
-    with a finish reason (vLLM emits a result's chunk right after reading it)."""
-    import json
-    from collections import deque
-
-    stream = getattr(cls, name)
-
-    @functools.wraps(stream)
-    async def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _settings(self.engine_client.vllm_config) is None:
-            async for chunk in stream(self, *args, **kwargs):
-                yield chunk
-            return
-        finished: deque[dict[str, Any]] = deque()
-        results = args[position]
-
-        async def tap() -> Any:
-            async for item in results:
-                res = output_of(item)
-                if res.finished and res.kv_transfer_params:
-                    finished.append(res.kv_transfer_params)
-                yield item
-
-        args = (*args[:position], tap(), *args[position + 1 :])
-
-        def with_counters(chunk: str) -> str:
-            data = json.loads(chunk[len("data: ") :])
-            if any(c.get("finish_reason") for c in data.get("choices", ())):
-                data["kv_transfer_params"] = finished.popleft()
-                return f"data: {json.dumps(data)}\n\n"
-            return chunk
-
-        async for chunk in stream(self, *args, **kwargs):
-            if finished and chunk.startswith("data: {"):
-                chunk = (
-                    _guard("adding counters to a stream", functools.partial(with_counters, chunk)) or chunk
-                )
-            yield chunk
-
-    setattr(cls, name, wrapped)

@@ -53,7 +53,8 @@ class EpiKVRunnerMixin:
         model = model_info(vllm_config)
         spec = settings.spec(model)
         check_engine(vllm_config, spec)
-        self.epikv = EpiKVWorkerState(settings, spec, model, trace=get_tp_group().rank_in_group == 0)
+        first = get_tp_group().rank_in_group == 0
+        self.epikv = EpiKVWorkerState(settings, spec, model, first, vllm_config.model_config.max_model_len)
         if self.epikv.aux_layers:
             self.use_aux_hidden_state_outputs = True
 

@@ -4,7 +4,8 @@ The worker compacts a request back to its K every tau steps once it holds more, 
 length never passes its cap (:meth:`epikv.spec.CacheSpec.cap_tokens`: max(P, K) + tau at most, P its
 prompt). Each request is planned once, by the rule every host shares
 (:func:`epikv.vllm.config.plan_request`): its K (the server's, or its own ``epikv_budget``), its cap,
-and its reservation, min(cap, prompt + ``max_tokens``). The capped manager (vLLM's official
+and its reservation, min(cap, prompt + ``max_tokens``), clamped as vLLM clamps its own (never past
+``max_model_len``, nor the runner's block-table row). The capped manager (vLLM's official
 KV-cache-spec registry maps :class:`EpiKVAttentionSpec` to it) gives a request all its reserved
 blocks at its first allocation and never more, so admission is vLLM's own: a waiting request runs
 when the pool holds its reservation, and a running evicting request never asks for a block, so it is
@@ -36,7 +37,16 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.request import RequestStatus
 
 from epikv.errors import AdmissionError
-from epikv.vllm.config import KEY, EpiKVSettings, RequestPlan, check_pool, model_info, plan_request
+from epikv.spec import CacheSpec
+from epikv.vllm.config import (
+    KEY,
+    EpiKVSettings,
+    RequestPlan,
+    check_pool,
+    longest_request,
+    model_info,
+    plan_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpiKVAttentionSpec(FullAttentionSpec):
     """Full attention under an evicting policy: ``cap_tokens`` is K + tau, what one request with a
-    prompt of at most K holds (the start-up check's unit; 0 = the policy never evicts)."""
+    prompt of at most K holds (0 = the policy never evicts)."""
 
     cap_tokens: int = 0
 
@@ -57,12 +67,29 @@ class EpiKVAttentionSpec(FullAttentionSpec):
         return dataclasses.replace(merged, cap_tokens=caps.pop())
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
-        """What one request can hold: its cap, not max_model_len (so the start-up check admits a
-        max_model_len far beyond the pool)."""
+        """What one request can hold at vLLM's ``max_model_len`` (which vLLM's start-up check and its
+        auto-fit vary): the plan of the longest prompt vLLM admits (:func:`longest_request`). A prompt
+        is held whole until its first compaction, so that is max_model_len (or a token less), as in
+        plain vLLM: a pool that cannot hold it refuses to start, or lowers max_model_len."""
         if not self.cap_tokens:
             return super().max_memory_usage_bytes(vllm_config)
-        tokens = min(self.cap_tokens, vllm_config.model_config.max_model_len)
+        tokens = longest_request(run_spec(vllm_config), vllm_config.model_config.max_model_len)
         return cdiv(tokens, self.block_size) * self.page_size_bytes
+
+
+_SPECS: dict[tuple[str, str], CacheSpec] = {}
+
+
+def run_spec(vllm_config: Any) -> CacheSpec:
+    """The engine's run spec, built once per settings and model in this process (vLLM's start-up check
+    asks each layer's spec, at each max_model_len its search tries)."""
+    settings = EpiKVSettings.from_config(vllm_config.additional_config)
+    assert settings is not None, "an EpiKVAttentionSpec belongs to an engine with the epikv key"
+    model = model_info(vllm_config)
+    key = (repr(settings), repr(model))
+    if key not in _SPECS:
+        _SPECS[key] = settings.spec(model)
+    return _SPECS[key]
 
 
 class EpiKVAttentionManager(FullAttentionManager):
@@ -164,17 +191,16 @@ class EpiKVScheduler(Scheduler):
             if request.prompt_token_ids is None:
                 raise AdmissionError("prompt embeddings are not supported")
             params = request.sampling_params
-            plan = plan_request(
-                spec, request.num_prompt_tokens, request.max_tokens, params.extra_args if params else None
-            )
+            prompt, extra = request.num_prompt_tokens, params.extra_args if params else None
+            plan = plan_request(spec, prompt, request.max_tokens, extra, self.max_model_len)
             self.epikv_plans[request.request_id] = plan  # the global group's count reads it
             windows = 0
             if self.epikv_windows:  # what allocation will count, on an empty pool, less the reservation
                 windows = self.epikv_alone_blocks(request) - cdiv(plan.reserve or 0, self.epikv_block)
-            check_pool(plan, self.epikv_block, self.epikv_usable_blocks, windows)
+            check_pool(spec, plan, prompt, self.epikv_block, self.epikv_usable_blocks, windows)
         except AdmissionError as err:
             self.epikv_plans.pop(request.request_id, None)
-            self.epikv_fail(request, str(err))
+            self.epikv_fail(request, str(err), refused=err.field)
 
     # -- a hybrid's sliding-window groups ---------------------------------------------------------
     def epikv_window_blocks(self, manager: Any, tokens: int) -> int:
@@ -244,12 +270,16 @@ class EpiKVScheduler(Scheduler):
                 total += max(0, want - held)
         return total
 
-    def epikv_fail(self, request: Any, why: str) -> None:
-        """Finish ``request`` alone with vLLM's ``error`` finish; the output goes out with this step's."""
+    def epikv_fail(self, request: Any, why: str, refused: str | None = None) -> None:
+        """Finish ``request`` alone with vLLM's ``error`` finish; the output goes out with this step's.
+        ``refused``: the request field to blame when the request can never run (a deterministic
+        refusal, a 400 under ``vllm serve``; a fault that may pass is a 500)."""
         message = f"epikv: request {request.request_id}: {why}"
         log.warning("%s", message)
         counters = self.epikv_counters.get(request.request_id)
         stats: dict[str, Any] = stats_of(counters) if counters else {}
+        if refused is not None:
+            stats["refused"] = refused
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)  # from whichever queue
         output = EngineCoreOutput(
             request_id=request.request_id,

@@ -20,8 +20,9 @@ state) fails the batch's rows.
 Tensor parallelism (:meth:`EpiKVWorkerState.agree`): every rank runs this step on the same rows.
 Before compacting, the ranks agree on which requests faulted this step (on any rank), so every rank
 compacts the same rows (an exception before that agreement, outside any one request's part, fails
-every row of the step on its rank, so the agreement fails them on every rank); each scoring call (which gathers heads across ranks) has one verdict on every
-rank (:meth:`epikv.vllm.compaction.HeadShards.together`); after a step that compacted, they agree
+every row of the step on its rank, so the agreement fails them on every rank); each scoring call
+(which gathers heads across ranks) has one verdict on every rank
+(:meth:`epikv.vllm.compaction.HeadShards.together`); after a step that compacted, they agree
 again (a move or a trace line can fail on one rank). So no rank enters a collective another skips,
 and a fault on any rank reaches the first rank's output, which is what the scheduler reads.
 """
