@@ -3,6 +3,7 @@ the classes actually subclassed and wrapped), and every configuration it refuses
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from types import SimpleNamespace
@@ -23,11 +24,34 @@ register()  # as vLLM does in every process: the wrapped methods must still show
 
 def resolve(path: str):
     module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+    value = importlib.import_module(module)
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
-def test_vllm_is_the_pinned_series():
-    assert vllm.__version__.startswith(pins.VLLM_SERIES), vllm.__version__
+def test_vllm_is_a_pinned_version_and_any_other_is_refused_in_one_line():
+    assert vllm.__version__ in pins.VLLM_VERSIONS, vllm.__version__
+    assert pins.version_refusal(vllm.__version__) is None
+    line = pins.version_refusal("0.32.1")
+    assert line is not None and "0.32.1" in line and "0.32.0" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("owner", sorted({p.owner for p in pins.PINS}))
+def test_every_records_owner_is_in_the_installed_vllm(owner):
+    resolve(owner)  # the class, function, module object or constant the record names
+
+
+@pytest.mark.parametrize("target", sorted(p.target for p in pins.PINS if p.check == "exists"))
+def test_each_name_read_or_called_resolves(target):
+    resolve(target)
+
+
+@pytest.mark.parametrize("pin", [p for p in pins.PINS if p.check == "source"], ids=lambda p: p.target)
+def test_each_name_found_in_vllms_source_is_still_there(pin):
+    where, text = pin.source
+    function = resolve(where)
+    assert text in inspect.getsource(getattr(function, "__wrapped__", function)), f"{where}: no {text!r}"
 
 
 @pytest.mark.parametrize(
@@ -50,9 +74,9 @@ def test_each_called_function_keeps_its_parameters(path):
 
 
 @pytest.mark.parametrize("owner", sorted(pins.INIT_ATTRS))
-def test_each_class_still_sets_the_attributes_the_plugin_reads(owner):
-    init = resolve(owner).__init__
-    source = inspect.getsource(getattr(init, "__wrapped__", init))
+def test_each_class_still_sets_the_attributes_the_plugin_reads(owner):  # its __init__ or a base's
+    inits = [c.__dict__["__init__"] for c in resolve(owner).__mro__ if "__init__" in c.__dict__]
+    source = "".join(inspect.getsource(getattr(i, "__wrapped__", i)) for i in inits if inspect.isfunction(i))
     missing = [name for name in pins.INIT_ATTRS[owner] if f"self.{name}" not in source]
     assert not missing, f"{owner}.__init__ no longer sets {missing}"
 
@@ -67,13 +91,14 @@ def test_each_field_the_plugin_reads_is_still_there(owner):
 
 def test_the_plugin_subclasses_and_wraps_exactly_the_pinned_classes():
     from epikv.vllm.runner import EpiKVCPURunner, EpiKVCPUWorker
-    from epikv.vllm.scheduler import EpiKVAttentionManager, EpiKVScheduler
+    from epikv.vllm.scheduler import EpiKVAttentionManager, EpiKVAttentionSpec, EpiKVScheduler
 
     for ours, theirs in [
         (EpiKVCPURunner, "vllm.v1.worker.cpu_model_runner:CPUModelRunner"),
         (EpiKVCPUWorker, "vllm.v1.worker.cpu_worker:CPUWorker"),
         (EpiKVScheduler, "vllm.v1.core.sched.scheduler:Scheduler"),
         (EpiKVAttentionManager, "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager"),
+        (EpiKVAttentionSpec, "vllm.v1.kv_cache_interface:FullAttentionSpec"),
     ]:
         vllm_class = resolve(theirs)
         assert vllm_class in ours.__mro__
@@ -82,7 +107,10 @@ def test_the_plugin_subclasses_and_wraps_exactly_the_pinned_classes():
             name
             for c in ours_only
             for name, value in vars(c).items()
-            if callable(value) and hasattr(vllm_class, name) and (name == "__init__" or name[:2] != "__")
+            if callable(value)
+            and hasattr(vllm_class, name)
+            and (name == "__init__" or name[:2] != "__")
+            and not (name == "__init__" and dataclasses.is_dataclass(c))  # the dataclass's own
         }
         assert overridden <= set(pins.METHODS[theirs]), (
             f"not pinned: {overridden - set(pins.METHODS[theirs])}"
