@@ -95,9 +95,10 @@ def server_spec(folder: str, args: argparse.Namespace) -> CacheSpec:
     """The server's run spec, built as the plugin builds it (its caps are the soak's bounds)."""
     from transformers import AutoConfig
 
-    from epikv.vllm.config import EpiKVSettings, hf_model_info
+    from epikv.policies.base import ModelInfo
+    from epikv.vllm.config import EpiKVSettings
 
-    model = hf_model_info(AutoConfig.from_pretrained(folder), "smollm2-135m")
+    model = ModelInfo.from_config(AutoConfig.from_pretrained(folder), "smollm2-135m")
     return EpiKVSettings.from_config({"epikv": settings(args)}).spec(model)
 
 

@@ -67,12 +67,13 @@ def plugin_spec(
     """The spec the plugin builds for ``source`` (:meth:`EpiKVSettings.spec`), from its config alone."""
     from transformers import AutoConfig
 
-    from epikv.vllm.config import EpiKVSettings, hf_model_info
+    from epikv.policies.base import ModelInfo
+    from epikv.vllm.config import EpiKVSettings
 
     config = AutoConfig.from_pretrained(source)
     identity = getattr(config, "epikv_model_id", None) or source
     return EpiKVSettings(policy, budget, interval, dict(params)).spec(
-        hf_model_info(config.get_text_config(), identity)
+        ModelInfo.from_config(config.get_text_config(), identity)
     )
 
 

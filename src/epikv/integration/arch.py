@@ -13,14 +13,8 @@ import torch
 from torch import nn
 
 from epikv.archs import ARCHITECTURES, NOT_YET, ArchFacts, window_problem
-from epikv.archs import sliding_layers as config_sliding_layers
 from epikv.policies.base import ModelInfo
 from epikv.querypath import rope_tables, shape_queries, text_config, text_model
-
-
-def sliding_layers(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
-    """The model's sliding-window layers and their width (:func:`epikv.archs.sliding_layers`)."""
-    return config_sliding_layers(text_config(model))
 
 
 def check_supported(model: nn.Module) -> ArchFacts:
@@ -58,21 +52,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def model_info(model: nn.Module) -> ModelInfo:
     from epikv.models.identity import model_identity
 
-    config = text_config(model)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    sliding, window = sliding_layers(model)
-    return ModelInfo(
-        identity=model_identity(model),
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        hidden_size=config.hidden_size,
-        context_length=getattr(config, "max_position_embeddings", None),
-        sliding_layers=sliding,
-        window=window,
-    )
+    return ModelInfo.from_config(text_config(model), model_identity(model))
 
 
 def attention_queries(

@@ -50,6 +50,27 @@ class ModelInfo:
     sliding_layers: tuple[int, ...] = ()
     window: int | None = None
 
+    @classmethod
+    def from_config(cls, config: Any, identity: str) -> ModelInfo:
+        """What a policy may know of a model, from its transformers text config: the one builder of
+        epikv's engine (transformers' config), the vLLM plugin (vLLM's ``hf_text_config``, the same
+        object) and the eval's vLLM client."""
+        from epikv.archs import sliding_layers
+
+        heads = config.num_attention_heads
+        sliding, window = sliding_layers(config)
+        return cls(
+            identity=identity,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            hidden_size=config.hidden_size,
+            context_length=getattr(config, "max_position_embeddings", None),
+            sliding_layers=sliding,
+            window=window,
+        )
+
     @property
     def cache_layers(self) -> tuple[int, ...]:
         """The layers whose cache a policy scores and evicts (every layer but the sliding ones)."""

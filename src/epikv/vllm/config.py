@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from epikv.archs import sliding_layers
 from epikv.errors import BudgetOutOfRange, PoolTooSmall
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec, parse_budget
@@ -193,22 +192,4 @@ def model_info(vllm_config: Any) -> ModelInfo:
     """What a policy may know of the served model, from vLLM's model config."""
     model_config = vllm_config.model_config
     identity = getattr(model_config.hf_config, "epikv_model_id", None) or str(model_config.model)
-    return hf_model_info(model_config.hf_text_config, identity)
-
-
-def hf_model_info(hf: Any, identity: str) -> ModelInfo:
-    """:class:`ModelInfo` from a transformers text config: what the plugin's spec is built from, and
-    what a client outside vLLM (``epikv eval --engine vllm``) builds the same spec from."""
-    heads = hf.num_attention_heads
-    sliding, window = sliding_layers(hf)
-    return ModelInfo(
-        identity=identity,
-        num_layers=hf.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-        hidden_size=hf.hidden_size,
-        context_length=getattr(hf, "max_position_embeddings", None),
-        sliding_layers=sliding,
-        window=window,
-    )
+    return ModelInfo.from_config(model_config.hf_text_config, identity)

@@ -88,13 +88,13 @@ class Worker:
 
 def token_bytes(msg: dict[str, Any]) -> int:
     """KV bytes per token of the model in ``msg["model"]`` at ``msg["dtype"]`` (every layer, K and V),
-    from the shape the plugin itself reads (:func:`epikv.vllm.config.hf_model_info`)."""
+    from the shape the plugin itself reads (:meth:`epikv.policies.base.ModelInfo.from_config`)."""
     from transformers import AutoConfig
 
-    from epikv.vllm.config import hf_model_info
+    from epikv.policies.base import ModelInfo
 
     config = AutoConfig.from_pretrained(msg["model"])
-    info = hf_model_info(config.get_text_config(), msg["model"])
+    info = ModelInfo.from_config(config.get_text_config(), msg["model"])
     width = 4 if msg["dtype"] == "float32" else 2
     return info.num_layers * 2 * info.num_kv_heads * info.head_dim * width
 
