@@ -1,6 +1,6 @@
-"""One builder of :class:`ModelInfo` (issue 58 item 5): epikv's engine, the vLLM plugin and the eval's
-vLLM client all read a model through ``ModelInfo.from_config``, so the hosts cannot disagree on a
-model's shape or its sliding layers."""
+"""One owner per rule the hosts share (issue 58 item 5): epikv's engine, the vLLM plugin and the
+eval's vLLM client read a model through ``ModelInfo.from_config``, so they cannot disagree on its
+shape or its sliding layers; and whether a policy reads attention rows is ``Policy.reads_attention``."""
 
 from __future__ import annotations
 
@@ -34,3 +34,23 @@ def test_both_hosts_read_a_model_through_the_one_builder(tiny_llama):
     )
     identity = getattr(tiny_llama.config, "epikv_model_id", None) or "folder"  # the plugin's naming
     assert plugin_model_info(vllm_config) == ModelInfo.from_config(config, identity)
+
+
+def test_reads_attention_is_what_each_resolved_policy_asks_for():
+    """``Policy.reads_attention`` (the plugin's and the study's one test of it) agrees with the
+    attention layers every registered policy asks for once resolved."""
+    from epikv.policies import policy_class, policy_names
+    from epikv.spec import CacheSpec
+
+    model = ModelInfo("m", 30, 9, 3, 64, 576)
+    readers = set()
+    for name in policy_names():
+        cls = policy_class(name)
+        params = {"band_a": 10, "band_b": 20} if cls.uses_bands else {}
+        spec = CacheSpec.build(model, name, 256 if cls.evicts else None, params=params)
+        asks = bool(spec.policy.needs().attention_layers)
+        assert cls.reads_attention == spec.policy.reads_attention == asks, name
+        if cls.reads_attention:
+            readers.add(name)
+    assert {"h2o", "tova", "snapkv", "rkv", "thinkv", "raas"} <= readers
+    assert not readers & {"epikv-segq", "streaming", "keydiff", "full"}

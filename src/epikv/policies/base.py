@@ -169,12 +169,18 @@ class Policy(Generic[S]):
     requires: ClassVar[tuple[str, ...]] = ()
     # Whether ``resolve`` reads EpiKV band layers (the spec then looks up the model's profile).
     uses_bands: ClassVar[bool] = False
+    # Whether the policy ranks by attention rows (derived from ``requires``: vLLM never makes them)
+    reads_attention: ClassVar[bool] = False
 
     interval: int = 1
     recent: int | None = None
     protect_prompt: bool = True
     n_sink: int = 0
     first_compaction: str = "after_prefill"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.reads_attention = "attention_weights" in cls.requires
 
     def __post_init__(self) -> None:
         if self.first_compaction not in FIRST_COMPACTIONS:

@@ -92,7 +92,7 @@ def vllm_policies() -> list[str]:
     """The policies the plugin runs: every one that needs no attention matrix."""
     from epikv.policies import policy_class, policy_names
 
-    return [n for n in policy_names() if "attention_weights" not in policy_class(n).requires]
+    return [n for n in policy_names() if not policy_class(n).reads_attention]
 
 
 BUDGET_ARG = "epikv_budget"  # SamplingParams.extra_args key (``vllm_xargs`` in an OpenAI request body)

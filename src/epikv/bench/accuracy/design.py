@@ -85,7 +85,7 @@ def interval(policy: str) -> int:
 
 def reads_attention(policy: str) -> bool:
     """Whether ``policy`` ranks by attention rows (vLLM cannot run it: epikv's engine does)."""
-    return "attention_weights" in policy_class(policy).requires
+    return policy_class(policy).reads_attention
 
 
 @dataclass(frozen=True)
