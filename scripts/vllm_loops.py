@@ -15,6 +15,8 @@ alone to record what it does with it (it refused them until issue 42 item 0; it 
 the smallest K that holds them). Then ``OUT/compare.json``:
 problem by problem against the engine's record (identical token ids, first divergence), and the
 study's loop detectors and paired statistics (:mod:`epikv.bench.loops.summary`) over both.
+``--regrade`` grades the stored records again after a grading rule changed (issue 58; the engine's
+parts first, with ``epikv bench regrade``) and makes ``compare.json`` again.
 """
 
 from __future__ import annotations
@@ -200,9 +202,38 @@ def record(output: Any) -> dict[str, Any]:
 
 def graded(result: dict[str, Any], problem: Any, tokenizer: Any) -> dict[str, Any]:
     """``result`` graded by its task, as :mod:`epikv.bench.loops.runs` grades the engine's."""
-    text = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
-    grade = problem.task.evaluate(problem.example, text, cut=result["finish_reason"] == "length")
+    from epikv.bench.loops.runs import graded_tokens
+
+    ids, finish = result["token_ids"], result["finish_reason"]
+    _, grade = graded_tokens(problem.task, problem.example, ids, finish, tokenizer)
     return {**result, "correct": grade.correct, "extracted": grade.extracted}
+
+
+def regrade(out: Path, cells: list[str]) -> None:
+    """The cells' stored records graded again by the grader's current rules (issue 58), in place as
+    the study's parts are (``epikv bench regrade``, :func:`epikv.bench.loops.regrade.regrade_record`);
+    where a verdict moved, ``OUT/regrade.json`` lists it. ``compare`` runs after it."""
+    from epikv.bench.loops.regrade import regrade_placed
+    from epikv.bench.loops.study import _batches
+    from epikv.bench.shared.model_loading import load_bench_tokenizer
+    from epikv.bench.shared.regrade import listing
+
+    tokenizer = load_bench_tokenizer(None)
+    work = _batches(study_config(), tokenizer)
+    problems = {(d, b, i): p for d, b, batch in work for i, p in enumerate(batch)}
+    rows = []
+    for cell in cells:
+        path = out / f"{cell}.json"
+        doc = json.loads(path.read_text())
+        row = regrade_placed(doc["results"], problems, tokenizer, str(out), cell)
+        if row["updated"]:
+            path.with_suffix(".tmp").write_text(json.dumps(doc) + "\n")
+            path.with_suffix(".tmp").replace(path)
+        rows.append(row)
+        log.info("%s: %d records graded again, %d updated, %d verdicts moved", cell, row["records"],
+                 row["updated"], len(row["moved"]))  # fmt: skip
+    if any(row["updated"] for row in rows):
+        (out / "regrade.json").write_text(json.dumps(listing(rows), indent=1) + "\n")
 
 
 def refusal(llm: Any, prompt: tuple[int, ...], params: Any) -> str:
@@ -371,6 +402,9 @@ def main() -> None:
     parser.add_argument("--cells", default=",".join(CELLS), help=f"of {list(CELLS)}")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once (per cell)")
     parser.add_argument("--limit", type=int, default=None, help="the first N problems only (a smoke test)")
+    parser.add_argument(
+        "--regrade", action="store_true", help="grade the stored records again (current rules), then compare"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -382,6 +416,10 @@ def main() -> None:
         raise SystemExit(f"unknown cells {unknown}; known: {list(CELLS)}")
     if args.child:
         run_cell(args.child, out, args.max_num_seqs, args.limit)
+        return
+    if args.regrade:
+        regrade(out, cells)
+        compare(out, cells)
         return
     for cell in cells:
         if (out / f"{cell}.json").is_file():

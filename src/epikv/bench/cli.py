@@ -174,6 +174,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     table.add_argument("--genres", type=_names, default=None, help="fidelity result: genres to print")
     table.add_argument("--datasets", type=_names, default=None, help="loops result: datasets to print")
     table.set_defaults(func=cmd_table)
+    regrade = kinds.add_parser("regrade", help="grade a loops result's stored generations again (issue 58)")
+    regrade.add_argument("result", nargs="+", help="loops.json documents written by epikv bench loops")
+    regrade.add_argument("--parts-dir", default=None, help="their parts (default: the folder each records)")
+    regrade.set_defaults(func=cmd_regrade)
     add_accuracy_parser(kinds)
 
 
@@ -233,6 +237,25 @@ def cmd_table(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--genres {','.join(unknown)}: the result has {', '.join(summary['genres'])}")
     print(markdown(summary, args.genres, args.metric))
+    return 0
+
+
+def cmd_regrade(args: argparse.Namespace) -> int:
+    """Each loops document's generations graded again from its parts by the current rules; where a
+    verdict moved, its summary, tables and figure are re-made and ``regrade.json`` lists the moves."""
+    from epikv.bench.loops.regrade import regrade_document
+    from epikv.bench.shared.model_loading import load_bench_tokenizer
+
+    tokenizers: dict[Any, Any] = {}
+    for result in args.result:
+        model = documents.read_result(result, "loops")["config"].get("model")
+        if model not in tokenizers:
+            tokenizers[model] = load_bench_tokenizer(model)
+        found = regrade_document(result, args.parts_dir, tokenizers[model])
+        print(
+            f"{result}: {found['records']} generations graded again, {found['parts_records_updated']} "
+            f"part records and {found['updated']} facts updated, {len(found['moved'])} verdicts moved"
+        )
     return 0
 
 

@@ -112,6 +112,7 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     flipped are listed; a second run finds nothing to change and writes nothing."""
     from epikv.bench.accuracy.design import Study
     from epikv.bench.accuracy.regrade import holm_flips, regrade_cell
+    from epikv.bench.shared.regrade import listing
 
     study, out = Study(), Path(args.out)
     rows = [regrade_cell(study, cell, args.out) for cell in study.cells()]
@@ -119,16 +120,13 @@ def cmd_regrade(args: argparse.Namespace) -> int:
     print(f"{sum(r['records'] for r in rows)} records graded again, {updated} updated")
     if not updated:
         return 0
-    moved = [m for r in rows for m in r["moved"]]
-    result: dict[str, Any] = {"records": sum(r["records"] for r in rows), "updated": updated}
-    result["moved_per_cell"] = {r["cell"]: len(r["moved"]) for r in rows if r["moved"]}
-    result["moved"] = moved
+    result = listing(rows)
     summary = out / "summary.json"
     if summary.is_file():
         before = json.loads(summary.read_text(encoding="utf-8"))
         result["holm_flipped"] = holm_flips(before, _write_summary(study, out))
     (out / "regrade.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"{len(moved)} verdicts moved: {out / 'regrade.json'}")
+    print(f"{len(result['moved'])} verdicts moved: {out / 'regrade.json'}")
     return 0
 
 

@@ -3,9 +3,10 @@
 Every record of every cell (the noise cells too) is graded from its stored text and finish reason
 by the eval's own path (:func:`epikv.eval.runs.regrade`, the task's ``evaluate``); where the verdict
 or the extracted answer changed the record is updated in place and the cell's ``summary.json``
-re-made as its run would make it. Nothing is generated. Owns the list of verdicts that moved, each
-with the rule that moved it, and the Holm calls (significance at 0.05) that changed between two
-``summary.json``; the grading rules are the eval's, the statistics ``summary.py``'s.
+re-made as its run would make it. Nothing is generated. Owns the list of verdicts that moved and
+the Holm calls (significance at 0.05) that changed between two ``summary.json``; the rule that
+moved each verdict and the flip test are shared with the loop study's re-grade
+(``bench/shared/regrade.py``), the grading rules are the eval's, the statistics ``summary.py``'s.
 """
 
 from __future__ import annotations
@@ -16,27 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from epikv.bench.accuracy.design import Cell, Study
-from epikv.eval.extract import box_cut_open
-from epikv.eval.forms import asked_forms, in_forms
+from epikv.bench.shared.regrade import flips, why
 from epikv.eval.plan import plan_run
-from epikv.eval.records import ExampleResult, load_run_results, update_results
+from epikv.eval.records import load_run_results, update_results
 from epikv.eval.runner import summarize_selection
 from epikv.eval.runs import regrade
-from epikv.eval.tasks import Example, load_task
-
-ALPHA = 0.05
-
-
-def why(record: ExampleResult, now: ExampleResult, example: Example) -> str:
-    """The rule that changed ``record``'s grade to ``now``'s."""
-    if box_cut_open(record.text) and now.extracted is None:
-        return "the last box is cut open: no earlier box or number stands in for it"
-    if record.finish_reason == "length" and now.extracted is None:
-        return "cut at the length cap with no final-answer marker: its last number is not credited"
-    forms = asked_forms(example.problem)
-    if forms and not in_forms(now.extracted, forms):
-        return f"the problem asks for the form {'/'.join(sorted(forms))}; {now.extracted!r} is not in it"
-    return f"extracted {record.extracted!r}, now {now.extracted!r}"
+from epikv.eval.tasks import load_task
 
 
 def regrade_cell(study: Study, cell: Cell, out: str) -> dict[str, Any]:
@@ -51,7 +37,8 @@ def regrade_cell(study: Study, cell: Cell, out: str) -> dict[str, Any]:
     pairs = zip(records, now, strict=True)
     changed = [(r, n) for r, n in pairs if (r.correct, r.extracted) != (n.correct, n.extracted)]
     moved = [
-        {"cell": cell.name, "id": r.id, "old": r.correct, "new": n.correct, "why": why(r, n, examples[r.id]),
+        {"cell": cell.name, "id": r.id, "old": r.correct, "new": n.correct,
+         "why": why(r.text, r.finish_reason, r.extracted, n.extracted, examples[r.id].problem),
          "extracted": [r.extracted, n.extracted], "finish_reason": r.finish_reason}
         for r, n in changed if r.correct != n.correct
     ]  # fmt: skip
@@ -78,11 +65,6 @@ def _holm_calls(node: Any, path: str = "") -> Iterator[tuple[str, float]]:
 
 
 def holm_flips(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Holm calls whose significance at :data:`ALPHA` differs between two summaries (a test in
-    only one of them is not a flip)."""
-    old, new = dict(_holm_calls(before)), dict(_holm_calls(after))
-    return [
-        {"test": key, "p_holm_before": old[key], "p_holm_after": new[key],
-         "significant_before": old[key] < ALPHA, "significant_after": new[key] < ALPHA}
-        for key in sorted(old.keys() & new.keys()) if (old[key] < ALPHA) != (new[key] < ALPHA)
-    ]  # fmt: skip
+    """The Holm calls whose significance at 0.05 differs between two summaries (a test in only one
+    of them is not a flip)."""
+    return flips(dict(_holm_calls(before)), dict(_holm_calls(after)), "p_holm")

@@ -20,7 +20,7 @@ import torch
 
 from epikv.engine import Completion, Engine, Request, SchedulerLimits
 from epikv.eval.prompts import build_messages
-from epikv.eval.tasks import Example, Task, load_task
+from epikv.eval.tasks import Example, Grade, Task, load_task
 from epikv.generation import encode_prompt_ids
 from epikv.spec import CacheSpec
 
@@ -110,9 +110,18 @@ def generate_cell(
     return out
 
 
+def graded_tokens(
+    task: Task, example: Example, token_ids: list[int], finish_reason: str | None, tokenizer: Any
+) -> tuple[str, Grade]:
+    """A generation's text and its grade, as the study grades it: the token ids decoded without
+    special tokens, graded by the task, cut when the generation stopped at the length cap."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return text, task.evaluate(example, text, cut=finish_reason == "length")
+
+
 def _record(problem: Problem, completion: Completion, tokenizer: Any) -> dict[str, Any]:
-    text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-    grade = problem.task.evaluate(problem.example, text, cut=completion.finish_reason == "length")
+    ids, finish = completion.token_ids, completion.finish_reason
+    _, grade = graded_tokens(problem.task, problem.example, ids, finish, tokenizer)
     return {
         "prompt_tokens": completion.prompt_tokens,
         "token_ids": list(completion.token_ids),

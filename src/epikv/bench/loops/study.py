@@ -263,7 +263,12 @@ def run_loops(
 
 
 def _parts(config: LoopsConfig, dataset: str) -> Parts:
-    return Parts(str(Path(config.parts_dir) / _safe(dataset)) if config.parts_dir else None)
+    return dataset_parts(config.parts_dir, dataset)
+
+
+def dataset_parts(parts_dir: str | None, dataset: str) -> Parts:
+    """One dataset's parts in a study's parts folder (none kept when ``parts_dir`` is None)."""
+    return Parts(str(Path(parts_dir) / _safe(dataset)) if parts_dir else None)
 
 
 def _batches(config: LoopsConfig, tokenizer: Any) -> list[tuple[str, int, list[Problem]]]:

@@ -66,6 +66,20 @@ def load_bench_model(
     return load_model(name, dtype=torch_dtype, device=device if device != "cpu" else None)
 
 
+def load_bench_tokenizer(name: str | None) -> Any:
+    """The tokenizer :func:`load_bench_model` returns for ``name``, without the weights: what reads a
+    benchmark's stored token ids back (a re-grade)."""
+    if name is not None and name.startswith("random:"):
+        preset = name.split(":", 1)[1]
+        if preset not in RANDOM_PRESETS:
+            raise ValueError(f"unknown random model {preset!r} (known: {', '.join(sorted(RANDOM_PRESETS))})")
+        spec = {k: v for k, v in RANDOM_PRESETS[preset].items() if k != "name"}
+        return ByteTokenizer(config_from_spec(spec).vocab_size)
+    from epikv.models import load_tokenizer
+
+    return load_tokenizer(name)
+
+
 def model_name(model: torch.nn.Module) -> str:
     from epikv.models import model_identity
 

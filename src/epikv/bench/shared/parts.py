@@ -57,11 +57,25 @@ class Parts:
         """Store one piece atomically (written beside, then renamed), with its time and the load."""
         if self.folder is None:
             return
-        path = self._path(batch, name)
-        path.parent.mkdir(exist_ok=True)
         doc = {"fingerprint": fingerprint, "cell": name, "seconds": round(seconds, 1)}
         doc["load_average"] = load_average()
         doc["results"] = results
+        self.rewrite(batch, name, doc)
+
+    def stored(self, batch: int, name: str) -> dict[str, Any] | None:
+        """The whole stored piece (fingerprint, cost, results), whatever it was computed from; None
+        when absent. For reading a finished study back (a re-grade), not for reuse: that is
+        :meth:`get`, which checks the fingerprint."""
+        if self.folder is None or not self._path(batch, name).is_file():
+            return None
+        return dict(json.loads(self._path(batch, name).read_text()))
+
+    def rewrite(self, batch: int, name: str, piece: dict[str, Any]) -> None:
+        """Write a whole piece (as :meth:`stored` returns it) atomically, as :meth:`put` writes one."""
+        if self.folder is None:
+            return
+        path = self._path(batch, name)
+        path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc) + "\n")
+        tmp.write_text(json.dumps(piece) + "\n")
         tmp.replace(path)
