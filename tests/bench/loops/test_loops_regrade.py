@@ -136,13 +136,17 @@ def test_records_that_carry_their_place_are_graded_again_in_place(tmp_path):
     records = [
         {"dataset": dataset, "id": batch[0].example.id, "batch": b, "index": 0, "skipped": "too long"},
         {**placed, **_record(len(batch[1].prompt), f"then {gold}", "length", True, gold)},
+        {**placed, **_record(len(batch[1].prompt), f"then {gold}", "length", True, gold)},
     ]
+    del records[2]["correct"], records[2]["extracted"]  # a record that stores no verdict
+    unverdicted = json.dumps(records[2])
     row = regrade_placed(records, problems, tokenizer, "out", "epikv@192")
     assert (row["records"], row["updated"]) == (1, 1)
     assert [(m["problem"], m["old"], m["new"], m["rule"]) for m in row["moved"]] == [
         (f"gsm8k/{batch[1].example.id}", True, False, CUT)
     ]
     assert (records[1]["correct"], records[1]["extracted"]) == (False, None)
+    assert json.dumps(records[2]) == unverdicted
     assert records[0] == {
         "dataset": dataset,
         "id": batch[0].example.id,

@@ -98,9 +98,10 @@ def regrade_placed(
 ) -> dict[str, Any]:
     """Records that carry their place in the study (``dataset``, ``batch``, ``index``, ``id``: the
     vLLM runs of its cells, ``scripts/vllm_loops.py``) graded again, updated in place: the row
-    :func:`~epikv.bench.shared.regrade.listing` reads (records, updated, the verdicts that moved)."""
+    :func:`~epikv.bench.shared.regrade.listing` reads (records, updated, the verdicts that moved).
+    A record that stores no verdict (graded only where it is compared) is left as it is."""
     row: dict[str, Any] = {"cell": cell, "records": 0, "updated": 0, "moved": []}
-    for record in (r for r in records if "skipped" not in r):
+    for record in (r for r in records if "skipped" not in r and "correct" in r):
         place = (record["dataset"], record["batch"], record["index"])
         _, change = regrade_record(record, problems[place], tokenizer)
         row["records"] += 1
