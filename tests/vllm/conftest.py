@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm", reason="the vLLM plugin's tests run in .venv-vllm (setup.sh --vllm)")
 
-from engines import reference
+from tests.vllm.engines import reference
 
 VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "num_hidden_layers": 3}
 """epikv's tiny shape, with heads of 32 (vLLM's CPU attention has no kernel for 16) and 3 layers."""

@@ -20,11 +20,11 @@ import inspect
 
 import pytest
 import torch
-from engines import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused
 from epikv.vllm.queries import ATTENTION
+from tests.vllm.engines import close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 N = 40  # new tokens per request
 K = 24  # streaming's budget: every request evicts

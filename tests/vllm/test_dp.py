@@ -8,7 +8,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from engines import metric, serve
+
+from tests.vllm.engines import metric, serve
 
 K, N, REQUESTS = 64, 48, 8  # chat prompts of about 40 tokens: each evicts once past K
 

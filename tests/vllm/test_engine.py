@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import agree, close, generate, kept_sets, make_llm, reference_run, tokens, worker_state
 
 import epikv.vllm
 from epikv.vllm.config import Refused
+from tests.vllm.engines import (
+    agree,
+    close,
+    generate,
+    kept_sets,
+    make_llm,
+    reference_run,
+    tokens,
+    worker_state,
+)
 
 N = 128  # new tokens per request
 

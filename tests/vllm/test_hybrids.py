@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import close, generate, make_llm, worker_state
 
 import epikv.vllm
 from epikv.vllm.scheduler import EpiKVAttentionManager
+from tests.vllm.engines import close, generate, make_llm, worker_state
 
 BLOCK = 32
 

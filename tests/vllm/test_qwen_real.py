@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from engines import BLOCK, close, generate, kept_sets, make_llm, reference, reference_run, tokens
 
 import epikv.vllm
+from tests.vllm.engines import BLOCK, close, generate, kept_sets, make_llm, reference, reference_run, tokens
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm", reason="runs in .venv-vllm (setup.sh --vllm)")

@@ -8,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from engines import metric, serve
+
+from tests.vllm.engines import metric, serve
 
 
 @pytest.fixture(scope="module")

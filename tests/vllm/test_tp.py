@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from engines import close, generate, kept_sets, make_llm, tokens
 
 import epikv.vllm
+from tests.vllm.engines import close, generate, kept_sets, make_llm, tokens
 
 N = 48
 

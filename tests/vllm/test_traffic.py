@@ -9,13 +9,23 @@ so the module's engine is not used after one."""
 from __future__ import annotations
 
 import pytest
-from engines import assert_nothing_left, close, core, drive, generate, make_llm, params, tokens, worker_state
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.utils.math_utils import cdiv
 
 import epikv.vllm
 from epikv.vllm.config import BUDGET_ARG
+from tests.vllm.engines import (
+    assert_nothing_left,
+    close,
+    core,
+    drive,
+    generate,
+    make_llm,
+    params,
+    tokens,
+    worker_state,
+)
 
 K = 48  # streaming: every step over K evicts one token
 

@@ -1,0 +1,1 @@
+"""The vLLM plugin's tests, a package: their helpers import as ``tests.vllm.engines``."""
