@@ -104,7 +104,7 @@ class Study:
     arms: tuple[Arm, ...] = field(default_factory=lambda: DEFAULT_ARMS)
     noise_problems: int = 128
     budget_problems: int = 96  # the first problems of full whose traces the budget rule reads
-    loop_min_span: int = 128  # a quarter of the 512-token cap (the loop study: 256 of 1,024)
+    loop_min_span: int = 128  # a quarter of GSM8K's 512-token cap, an eighth of MATH-500's 1,024
 
     def cells(self) -> list[Cell]:
         """Every cell, in the order they are meant to run: each arm's ``full``, its main K, the
