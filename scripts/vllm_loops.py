@@ -12,9 +12,8 @@ are written to ``OUT/<cell>.json`` as soon as it completes (a rerun skips finish
 the study skipped (the strict rule of comparisons at equal K: protected tokens past K,
 :meth:`epikv.spec.CacheSpec.check_prompt`) are skipped here too, and each one is then sent to vLLM
 alone to record what it does with it (it refused them until issue 42 item 0; it now runs them at
-the smallest K that holds them). Then ``OUT/compare.json``:
-problem by problem against the engine's record (identical token ids, first divergence), and the
-study's loop detectors and paired statistics (:mod:`epikv.bench.loops.summary`) over both.
+the smallest K that holds them). Then ``OUT/compare.json``: problem by problem against the engine's
+record (identical token ids, first divergence), and the study's loop tests over both.
 ``--regrade`` grades the stored records again after a grading rule changed (issue 58; the engine's
 parts first, with ``epikv bench regrade``) and makes ``compare.json`` again.
 """
@@ -79,11 +78,6 @@ def study_inputs(cell: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "")
-
-
 def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None = None) -> None:
     """One cell through vLLM in this process; writes ``out/<cell>.json`` (``limit``: the first
     problems only, a smoke test)."""
@@ -96,6 +90,7 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
     from vllm.inputs import TokensPrompt
 
     import epikv.vllm
+    from epikv.bench.shared import machine
     from epikv.models.embedded import embedded_cache_folder
     from epikv.vllm.config import plan_request  # the plugin's rule, after the study's strict one
 
@@ -161,7 +156,7 @@ def run_cell(cell: str, out: Path, max_num_seqs: int | None, limit: int | None =
     doc = {
         "cell": cell,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu_model(),
+        "cpu": machine.cpu()["model"],
         "threads": torch.get_num_threads(),
         "vllm": vllm.__version__,
         "git": git_state(),
@@ -210,30 +205,13 @@ def graded(result: dict[str, Any], problem: Any, tokenizer: Any) -> dict[str, An
 
 
 def regrade(out: Path, cells: list[str]) -> None:
-    """The cells' stored records graded again by the grader's current rules (issue 58), in place as
-    the study's parts are (``epikv bench regrade``, :func:`epikv.bench.loops.regrade.regrade_record`);
-    where a verdict moved, ``OUT/regrade.json`` lists it. ``compare`` runs after it."""
-    from epikv.bench.loops.regrade import regrade_placed
-    from epikv.bench.loops.study import _batches
-    from epikv.bench.shared.model_loading import load_bench_tokenizer
-    from epikv.bench.shared.regrade import listing
+    """The cells' stored records graded again by the grader's current rules (issue 58); where a
+    verdict moved, ``OUT/regrade.json`` lists it (:func:`epikv.bench.loops.regrade.regrade_cells`)."""
+    from epikv.bench.loops.regrade import regrade_cells
 
-    tokenizer = load_bench_tokenizer(None)
-    work = _batches(study_config(), tokenizer)
-    problems = {(d, b, i): p for d, b, batch in work for i, p in enumerate(batch)}
-    rows = []
-    for cell in cells:
-        path = out / f"{cell}.json"
-        doc = json.loads(path.read_text())
-        row = regrade_placed(doc["results"], problems, tokenizer, str(out), cell)
-        if row["updated"]:
-            path.with_suffix(".tmp").write_text(json.dumps(doc) + "\n")
-            path.with_suffix(".tmp").replace(path)
-        rows.append(row)
-        log.info("%s: %d records graded again, %d updated, %d verdicts moved", cell, row["records"],
+    for row in regrade_cells(out, cells, study_config()):
+        log.info("%s: %d records graded again, %d updated, %d verdicts moved", row["cell"], row["records"],
                  row["updated"], len(row["moved"]))  # fmt: skip
-    if any(row["updated"] for row in rows):
-        (out / "regrade.json").write_text(json.dumps(listing(rows), indent=1) + "\n")
 
 
 def refusal(llm: Any, prompt: tuple[int, ...], params: Any) -> str:
@@ -343,7 +321,7 @@ def compare_cell(cell: str, out: Path, loops: Any, numbers: frozenset[int], stud
             d: [sum(x["identical"] for x in ran if x["dataset"] == d), sum(x["dataset"] == d for x in ran)]
             for d in ("gsm8k", "math500")
         },
-        "first_divergence": describe(firsts),
+        "first_divergence": stats.describe(firsts),
         "diverged_before_first_eviction": sum(
             x["first_evicted_engine"] is None or x["first_divergence"] < x["first_evicted_engine"]
             for x in differ
@@ -358,21 +336,6 @@ def compare_cell(cell: str, out: Path, loops: Any, numbers: frozenset[int], stud
             k: mine[k] for k in ("date", "cpu", "threads", "wall_s", "init_s", "tokens", "scheduler")
         },
         "per_problem": rows,
-    }
-
-
-def describe(values: list[int]) -> dict[str, Any] | None:
-    import numpy as np
-
-    if not values:
-        return None
-    q = np.percentile(values, [0, 25, 50, 75, 100]).round(1).tolist()
-    return {
-        "n": len(values),
-        "min": q[0],
-        "quartiles": q[1:4],
-        "max": q[4],
-        "mean": round(float(np.mean(values)), 1),
     }
 
 

@@ -254,3 +254,25 @@ def _write(path: Path, document: dict[str, Any], remake: bool) -> None:
         tables.write_text(markdown(document["results"]["summary"]) + "\n", encoding="utf-8")
     if (path.parent / "loops.png").is_file():
         plot_document(path)
+
+
+def regrade_cells(out: Path, cells: list[str], config: LoopsConfig) -> list[dict[str, Any]]:
+    """Each ``OUT/<cell>.json`` of placed records (``scripts/vllm_loops.py``) graded again in place
+    by the grader's current rules; ``OUT/regrade.json`` lists the moved verdicts when any record
+    changed. Returns one row per cell (``regrade_placed``'s)."""
+    from epikv.bench.shared.model_loading import load_bench_tokenizer
+
+    tokenizer = load_bench_tokenizer(None)
+    problems = {(d, b, i): p for d, b, batch in _batches(config, tokenizer) for i, p in enumerate(batch)}
+    rows = []
+    for cell in cells:
+        path = out / f"{cell}.json"
+        doc = json.loads(path.read_text())
+        row = regrade_placed(doc["results"], problems, tokenizer, str(out), cell)
+        if row["updated"]:
+            path.with_suffix(".tmp").write_text(json.dumps(doc) + "\n")
+            path.with_suffix(".tmp").replace(path)
+        rows.append(row)
+    if any(row["updated"] for row in rows):
+        (out / "regrade.json").write_text(json.dumps(listing(rows), indent=1) + "\n")
+    return rows

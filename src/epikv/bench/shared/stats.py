@@ -203,3 +203,13 @@ def kept_position_histogram(
         counts += np.bincount(index, minlength=bins)
     total = counts.sum()
     return counts / total if total else np.zeros(bins)
+
+
+def describe(values: Sequence[float]) -> dict[str, float | int | list[float]] | None:
+    """n, min, [25th, 50th, 75th] percentiles (numpy's linear rule), max and mean, to one decimal;
+    None when empty."""
+    if not values:
+        return None
+    q = np.percentile(values, [0, 25, 50, 75, 100]).round(1).tolist()
+    mean = round(float(np.mean(values)), 1)
+    return {"n": len(values), "min": q[0], "quartiles": q[1:4], "max": q[4], "mean": mean}
