@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epikv.policies.base import CacheView, ModelInfo, Policy, global_scores
+from epikv.policies.base import CacheView, ModelInfo, Policy
 from epikv.policies.registry import register
 from epikv.policies.rows import RowState
 
@@ -16,6 +16,16 @@ class RandomState(RowState):
     """One generator per row, so a row draws the same numbers whatever batch it runs in."""
 
     generators: list[torch.Generator]
+
+
+def draw(state: RandomState, valid: torch.Tensor, groups: int = 1, heads: int = 1) -> torch.Tensor:
+    """Uniform scores (groups, B, heads, L) for the real slots of ``valid`` (B, L), -inf at holes;
+    row r draws groups x heads x (its real slots) numbers from its own generator, in that order."""
+    noise = torch.full((groups, valid.shape[0], heads, valid.shape[1]), float("-inf"))
+    real = valid.cpu()
+    for row, generator in enumerate(state.generators):  # rows of a batch, at compaction only
+        noise[:, row][..., real[row]] = torch.rand(groups, heads, int(real[row].sum()), generator=generator)
+    return noise.to(valid.device)
 
 
 @register
@@ -33,8 +43,4 @@ class RandomEviction(Policy[RandomState]):
         return RandomState([torch.Generator(device="cpu").manual_seed(self.seed) for _ in range(batch_size)])
 
     def score(self, state: RandomState, view: CacheView) -> torch.Tensor:
-        noise = torch.full(view.valid.shape, float("-inf"))
-        real = view.valid.cpu()
-        for row, generator in enumerate(state.generators):  # rows of a batch, at compaction only
-            noise[row, real[row]] = torch.rand(int(real[row].sum()), generator=generator)
-        return global_scores(noise.to(view.valid.device))
+        return draw(state, view.valid)
