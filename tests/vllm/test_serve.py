@@ -15,7 +15,7 @@ from tests.vllm.engines import metric, serve
 @pytest.fixture(scope="module")
 def server(embedded, tmp_path_factory):
     args = ["--max-model-len", "4096", "--enable-prefix-caching", "--block-size", "32"]
-    settings = {"policy": "epikv", "budget": 128, "interval": 16}  # every answer below evicts
+    settings = {"policy": "epikv", "budget": 128, "interval": 16}  # answers past K + tau evict
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with serve(embedded["folder"], args, settings, log, faults=True) as base:  # epikv_budget 77 fails
         yield base
