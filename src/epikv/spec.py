@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ from epikv.policies.base import Bands, ModelInfo, Policy
 from epikv.policies.registry import get_policy, policy_class
 from epikv.selection import Selection, protected_slots, select_keep
 
+RANK_EVERY_HELP = (  # every command's --rank-every (CacheSpec.rank_every)
+    "rho: with interval 1, score the cache every N decode steps and evict one token a step in between "
+    "from that ranking, into whose slot the next token goes (peak K + 1); default: score at every eviction"
+)
+
 ATTENTION_MODES = ("recompute", "eager")
 """Where attention rows come from (:mod:`epikv.integration.attention`); every command offers these."""
 
@@ -35,13 +41,16 @@ ATTENTION_MODES = ("recompute", "eager")
 class CacheSpec:
     """policy: resolved for the model; budget: K tokens per sequence (None = no eviction);
     interval: compaction interval tau; attention: where attention rows come from for policies that
-    read them (None for the others); bands: the band profile used, with its origin (banded policies)."""
+    read them (None for the others); bands: the band profile used, with its origin (banded policies);
+    rank_every: rho (issue 56; None: every eviction scores), with tau = 1: a row scores its cache every
+    rho steps and in between evicts its lowest-ranked token still present (:mod:`epikv.cache.ranked`)."""
 
     policy: Policy
     budget: int | None
     interval: int
     attention: str | None = None
     bands: Bands | None = None
+    rank_every: int | None = None
 
     @classmethod
     def build(
@@ -53,13 +62,17 @@ class CacheSpec:
         interval: int | None = None,
         attention: str = "recompute",
         params: Mapping[str, Any] | Sequence[str] | None = None,
+        rank_every: int | str | None = None,
     ) -> CacheSpec:
         """The one way to make a spec. ``params`` are policy hyperparameters, as a mapping or as
-        ``key=value`` strings (parsed by the field's type); ``interval`` is the ``interval`` one."""
+        ``key=value`` strings (parsed by the field's type); ``interval`` is the ``interval`` one;
+        ``rank_every`` (rho) needs tau = 1 and sets it when no interval is asked."""
         cls_ = type(policy) if isinstance(policy, Policy) else policy_class(policy)
         values = parse_policy_params(cls_, params or {})
         if interval is not None:
             values["interval"] = interval
+        if (rank_every := parse_rank_every(rank_every, values.get("interval"))) is not None:
+            values["interval"] = 1
         chosen = get_policy(policy, **values)
         bands = _bands_for(chosen, model)
         resolved = chosen.resolve(model, bands)
@@ -69,7 +82,8 @@ class CacheSpec:
         k = parse_budget(budget) if resolved.evicts else None
         if resolved.evicts and k is None:
             raise ValueError(f"policy {resolved.name!r} evicts and needs a budget (tokens), got None")
-        return cls(resolved, k, resolved.interval, attention if reads_attention else None, bands)
+        rho = rank_every if resolved.evicts else None  # a policy that keeps every token never ranks
+        return cls(resolved, k, resolved.interval, attention if reads_attention else None, bands, rho)
 
     # -- what a budget can hold ------------------------------------------------------------------
     @property
@@ -187,15 +201,16 @@ class CacheSpec:
         return total if cap is None else min(total, cap)
 
     def config(self) -> dict[str, Any]:
-        """The resolved spec as saved next to results."""
+        """The resolved spec as saved next to results (``rank_every`` only when set: old records match)."""
         bands = dataclasses.asdict(self.bands) if self.bands is not None else None
+        ranking = {} if self.rank_every is None else {"rank_every": self.rank_every}
         return {
             "policy": self.policy.config(),
             "budget": self.budget,
             "interval": self.interval,
             "attention": self.attention,
             "bands": bands,
-        }
+        } | ranking
 
     def record(self) -> dict[str, Any]:
         """What a result keeps about this spec: its line (:meth:`describe`) and its resolved config,
@@ -205,18 +220,40 @@ class CacheSpec:
     def describe(self) -> str:
         """One line for logs: policy, budget, interval and (for EpiKV) the bands and their origin."""
         text = f"policy={self.policy.name} budget={self.budget or 'none'} interval={self.interval}"
+        text += "" if self.rank_every is None else f" rank_every={self.rank_every}"
         if self.bands is not None:
             text += f" bands A={self.bands.band_a} B={self.bands.band_b} ({self.bands.origin})"
         return text
 
 
-def precheck(policy: str, budget: int | str | None, params: Sequence[str] = ()) -> int | None:
+def precheck(
+    policy: str,
+    budget: int | str | None,
+    params: Sequence[str] = (),
+    interval: int | None = None,
+    rank_every: int | str | None = None,
+) -> int | None:
     """The model-free part of :meth:`CacheSpec.build`, which every command line runs before it loads
-    a model: the policy's name and ``key=value`` parameters, and the budget (None for a policy that
-    keeps every token, whatever was asked). A ValueError names the bad value."""
+    a model: the policy's name and ``key=value`` parameters, ``rank_every`` with the interval, and the
+    budget (None for a policy that keeps every token, whatever was asked). A ValueError names it."""
     kind = policy_class(policy)
-    parse_policy_params(kind, params)
+    values = parse_policy_params(kind, params)
+    parse_rank_every(rank_every, interval if interval is not None else values.get("interval"))
     return parse_budget(budget) if kind.evicts else None
+
+
+def parse_rank_every(value: int | str | None, interval: int | None = None) -> int | None:
+    """rho: None (score at every eviction), or a positive number of decode steps (int or digits); it
+    needs the interval tau = 1 (None: not asked, then set to 1). A ValueError names the bad value."""
+    if value is None:
+        return None
+    rho = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(rho, bool) or not isinstance(rho, int) or rho < 1:
+        raise ValueError(f"rank_every must be a positive number of decode steps, got {value!r}")
+    if interval not in (None, 1):
+        msg = f"rank_every evicts one token a step and needs interval 1, got interval={interval}"
+        raise ValueError(f"{msg} with rank_every={rho}")
+    return rho
 
 
 def parse_budget(value: int | str | None) -> int | None:
@@ -320,7 +357,7 @@ def parse_policy_params(policy: type[Policy], params: Mapping[str, Any] | Sequen
 
 
 def _coerce(policy: str, key: str, kind: Any, raw: str) -> Any:
-    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, _union_type()) else (kind,)
+    options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
     text = raw.strip()
     if type(None) in options and text.lower() in _NONE:
         return None
@@ -361,9 +398,3 @@ def _type_name(kind: Any) -> str:
     return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "text"}.get(
         kind, str(kind)
     )
-
-
-def _union_type() -> Any:
-    import types
-
-    return types.UnionType

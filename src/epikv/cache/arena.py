@@ -46,8 +46,11 @@ class ArenaShape:
 @dataclass(frozen=True)
 class Writes:
     """Where a step's q new tokens go: slots ``start``..``start+q-1`` of rows 0..rows-1 when every
-    row is at the same fill (``index`` None), else slot ``index[r]`` of row r (q = 1); ``width`` is
-    the live rectangle's width after the step."""
+    row is at the same fill (``index`` None), else slot ``index[r]`` of row r (q = 1), or, when
+    ``heads`` (G, rows, H) is set (q = 1), slot ``heads[g, r, h]`` in each layer group g and KV head
+    h (G and H are 1 or the arena's per-group / per-head widths: a slot freed in place by a per-head
+    policy differs by head); ``width`` is the live rectangle's width after the step, ``before`` its
+    width before (None: ``width - q``; a row writing into a freed slot does not widen it)."""
 
     rows: int
     width: int
@@ -55,12 +58,21 @@ class Writes:
     start: int = 0
     index: torch.Tensor | None = None
     row_ids: torch.Tensor | None = None
+    heads: torch.Tensor | None = None
+    before: int | None = None
 
     def slots(self) -> torch.Tensor:
-        """(rows, q) slot of each new token."""
+        """(rows, q) slot of each new token, or (G, rows, H) when they differ by group and head."""
+        if self.heads is not None:
+            return self.heads
         if self.index is not None:
             return self.index[:, None]
         return (self.start + torch.arange(self.q)).expand(self.rows, self.q)
+
+    def head_slots(self, groups: int, heads: int) -> torch.Tensor:
+        """``heads`` as (groups, rows, heads, 1) int64, for a scatter into a table that wide."""
+        assert self.heads is not None
+        return self.heads.long().expand(groups, -1, heads)[..., None]
 
 
 class Arena:
@@ -184,7 +196,13 @@ class Arena:
     # -- a step's writes -------------------------------------------------------------------------
     def write_tokens(self, writes: Writes, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """The true positions (rows, q) int32 (-1 at pads) and validity (rows, q) of a step's new tokens."""
-        if writes.index is None:
+        if writes.heads is not None:
+            table = self.positions[:, : writes.rows]
+            index = writes.head_slots(table.shape[0], table.shape[2])
+            table.scatter_(-1, index, positions[None, :, None, :].expand_as(index).to(table.dtype))
+            self.valid[writes.row_ids, writes.heads[0, :, 0]] = valid[:, 0]  # one slot per row is enough:
+            # a slot freed in place stays valid (its row holds a token there again after this write)
+        elif writes.index is None:
             new = slice(writes.start, writes.start + writes.q)
             self.positions[:, : writes.rows, :, new] = positions[None, :, None, :]
             self.valid[: writes.rows, new] = valid
@@ -200,10 +218,29 @@ class Arena:
             buf[:, :rows, :, : writes.width] = value
         elif value.shape[-1] != q:
             raise ValueError(f"policy buffer {name!r} has {value.shape[-1]} slots, not {q} or {writes.width}")
+        elif writes.heads is not None:
+            table = buf[:, :rows]
+            index = writes.head_slots(table.shape[0], table.shape[2])
+            table.scatter_(-1, index, value.expand(table.shape[0], -1, table.shape[2], -1).to(table.dtype))
         elif writes.index is None:
             buf[:, :rows, :, writes.start : writes.start + q] = value
         else:
             buf[:, writes.row_ids, :, writes.index] = value[..., 0].transpose(0, 1)
+
+    def free_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Evict in place: slot ``slots[g, i, h]`` (G, b, H) of row ``rows[i]`` in each layer group g
+        and head h holds nothing from now on (true position -1, per-token values 0); it stays valid,
+        for the row's next token is written there (:class:`Writes` ``heads``) before anything reads it."""
+        for table in (self.positions, *self.buffers.values()):
+            part = table[:, rows]
+            index = slots.long().expand(part.shape[0], -1, part.shape[2])[..., None]
+            table[:, rows] = part.scatter(-1, index, -1 if table is self.positions else 0)
+
+    def freed_slots(self, rows: int, width: int, groups: int) -> torch.Tensor:
+        """(groups, rows, Hp) the slot each of the first ``rows`` rows freed in place in each layer
+        group and head (valid, position -1: one at most per group and head; 0 where none is freed)."""
+        positions = self.positions[:groups, :rows, :, :width]
+        return (self.valid[None, :rows, None, :width] & (positions < 0)).int().argmax(dim=-1)
 
     # -- moving rows and slots ------------------------------------------------------------------
     def clear_rows(self, rows: torch.Tensor | slice, start: int | torch.Tensor, end: int) -> None:

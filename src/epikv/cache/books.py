@@ -25,7 +25,10 @@ class RowBooks(RowState):
     sit in slots 0..fill-1); held: real tokens cached; since: decode steps since the row's last
     compaction; budgets: the row's K (None = never evicts); reserved: the most slots the row may
     use (None = unknown: the arena grows); peak, evicted, compactions: what users read; held_sum and
-    passes: cached tokens summed over decode passes, and the passes (their ratio is the mean cache).
+    passes: cached tokens summed over decode passes, and the passes (their ratio is the mean cache);
+    prompt: ``prompt_len`` on the host; ranked: ``passes`` when the row last scored its cache under
+    ``rank_every`` (None: it holds no ranking); freed: the row evicted a token in place and writes
+    its next token into that slot (its fill stays).
     """
 
     prompt_len: torch.Tensor
@@ -40,11 +43,14 @@ class RowBooks(RowState):
     compactions: list[int]
     held_sum: list[int]
     passes: list[int]
+    prompt: list[int]
+    ranked: list[int | None]
+    freed: list[bool]
 
     @classmethod
     def empty(cls, device: torch.device | None = None) -> RowBooks:
         zero = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(zero, zero.clone(), [], [], [], [], [], [], [], [], [], [])
+        return cls(zero, zero.clone(), [], [], [], [], [], [], [], [], [], [], [], [], [])
 
     @classmethod
     def start(
@@ -67,6 +73,9 @@ class RowBooks(RowState):
             compactions=list(zeros),
             held_sum=list(zeros),
             passes=list(zeros),
+            prompt=prompt_len.tolist(),  # one host sync per prefill
+            ranked=[None] * n,
+            freed=[False] * n,
         )
 
     @classmethod
@@ -85,8 +94,10 @@ class RowBooks(RowState):
         return len(self.fill)
 
     def grow(self, added: list[int], q: int, decode: bool) -> None:
-        """A pass wrote ``q`` slots per row, ``added`` of them real; a decode pass is counted."""
-        self.fill = [f + q for f in self.fill]
+        """A pass wrote ``q`` slots per row, ``added`` of them real (a row that had ``freed`` a slot
+        wrote its one token there: its fill stays); a decode pass is counted."""
+        self.fill = [f + (0 if r else q) for f, r in zip(self.fill, self.freed, strict=True)]
+        self.freed = [False] * len(self.fill)
         self.held = [h + a for h, a in zip(self.held, added, strict=True)]
         self.peak = [max(p, h) for p, h in zip(self.peak, self.held, strict=True)]
         if decode:
@@ -104,6 +115,31 @@ class RowBooks(RowState):
             self.held[r] = self.fill[r] = k
             self.since[r] = 0
             self.compactions[r] += 1
+
+    def evicted_in_place(self, rows: list[int]) -> None:
+        """Rows ``rows`` each evicted one token and left its slot free for their next token."""
+        for r in rows:
+            self.evicted[r] += 1
+            self.held[r] -= 1
+            self.freed[r] = True
+            self.since[r] = 0
+            self.compactions[r] += 1
+
+    def rank_due(self, rows: list[int], rank_every: int, first: list[int], recent: list[int]) -> list[bool]:
+        """Whether each of ``rows`` (over budget, by one token) scores its cache now under
+        ``rank_every``: it holds no ranking, the ranking is ``rank_every`` passes old, or no ranked
+        token is left to evict. Its unranked tokens are its newest ``passes - ranked`` (each decode
+        pass adds one), its protected ones the ``first`` (prompt or sinks) and the newest
+        ``recent``; both tails and the first are all held, so the ranked tokens it may evict number
+        held - first - max(recent, unranked) (they never overlap: a row over budget has generated
+        more than ``recent`` tokens, since prompt + recent fits in K)."""
+        out = []
+        for r, f, w in zip(rows, first, recent, strict=True):
+            ranked = self.ranked[r]
+            age = None if ranked is None else self.passes[r] - ranked
+            due = age is None or age >= rank_every or self.held[r] - f - max(w, age) < 1
+            out.append(due)
+        return out
 
     def stats(self) -> list[SequenceStats]:
         mean = [s / n if n else None for s, n in zip(self.held_sum, self.passes, strict=True)]

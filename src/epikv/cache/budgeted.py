@@ -1,18 +1,18 @@
 """The budgeted KV cache: transformers cache layers over a preallocated KV arena, evicting by policy.
 
 This module owns, per row of a batch: the budget K and its compaction schedule (a row compacts when
-it holds more than K tokens and tau decode steps have passed since its last compaction — or since
-its prefill, as the authors' harness counts, when the policy says so — whatever the other rows do),
-each slot's true position, which slots are real, the per-token values policies store, the policy's
-per-row state, and the counters users read (:class:`~epikv.cache.books.RowBooks`). Storage is an
-:class:`~epikv.cache.arena.Arena`: a step writes each row's new token at the row's next slot, a
-compaction moves the kept slots to the front of their row, and nothing is concatenated. Rows can be
-taken out and joined between steps (:meth:`BudgetedCache.keep_rows`, :meth:`BudgetedCache.append`),
-which is what the engine's continuous batching rests on; a request is prefilled straight into the
-row it will decode in (:meth:`BudgetedCache.row_cache`). It calls the policy through two narrow
-calls (``observe`` each step, ``score`` at a compaction) and never branches on a policy's type. It
-does not know the model: the integration module feeds it each step's new tokens
-(:meth:`begin_step`) and signals (:meth:`end_step`), and a prompt fed in several forwards is one
+it holds more than K tokens and tau decode steps have passed since its last compaction, or since its
+prefill when the policy says so, whatever the other rows do; under ``rank_every`` it evicts one token
+in place between rankings: :mod:`epikv.cache.ranked`), each slot's true position, which slots are
+real, the policy's per-token values and per-row state, and the counters users read
+(:class:`~epikv.cache.books.RowBooks`). Storage is an :class:`~epikv.cache.arena.Arena`: a step
+writes each row's new token at the row's next slot (or the slot it freed), a compaction moves the kept
+slots to the front of their row, and nothing is concatenated. Rows can be taken out and joined between
+steps (:meth:`BudgetedCache.keep_rows`, :meth:`BudgetedCache.append`): the engine's continuous
+batching; a request is prefilled straight into its row (:meth:`BudgetedCache.row_cache`). It calls the
+policy through two narrow calls (``observe`` each step, ``score`` at a compaction) and never branches
+on a policy's type. It does not know the model: the integration module feeds it each step's new
+tokens (:meth:`begin_step`) and signals (:meth:`end_step`); a prompt fed in several forwards is one
 prefill inside :meth:`BudgetedCache.chunked_prefill`.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from epikv.cache import ranked
 from epikv.cache.arena import Arena, ArenaShape, Writes
 from epikv.cache.books import RowBooks
 from epikv.cache.layer import BudgetedLayer
@@ -295,15 +296,20 @@ class BudgetedCache(Cache):
                     "keeping its prompt and its newest tokens", row, tokens, k, raised,
                 )  # fmt: skip
                 budgets[row] = raised
+        self.books.prompt = list(prompts)
 
     def _write_slots(self, new_valid: torch.Tensor, positions: torch.Tensor, q: int) -> None:
         """Choose each row's slots for the q new tokens, make room, and write positions and validity."""
-        fills, batch = self.books.fill, len(self.books.fill)
-        width = max(fills) + q
+        fills, batch, freed = self.books.fill, len(self.books.fill), self.books.freed
+        width = max(f + (0 if r else q) for f, r in zip(fills, freed, strict=True))
         if batch > self.arena.rows or width > self.arena.slots:
             slots = self.arena.slots_for(width, self.books.reserved)
             self.arena.ensure(batch, slots, batch, self.width)
-        if min(fills) == max(fills):
+        if any(freed):  # rank_every: a row that evicted in place writes there, in each group and head
+            self._writes = ranked.reuse_writes(self.arena, self.books, self.width, width)
+            for layer in (x for x in self.layers if isinstance(x, BudgetedLayer)):
+                layer.pending = width  # the mask is made before the layers write: no new column
+        elif min(fills) == max(fills):
             self._writes = Writes(batch, width, q, fills[0])
         else:
             if q != 1:
@@ -312,11 +318,14 @@ class BudgetedCache(Cache):
             self._writes = Writes(batch, width, q, 0, torch.tensor(fills, device=positions.device), rows)
         pos = positions.masked_fill(~new_valid, -1).to(torch.int32)
         self.arena.write_tokens(self._writes, pos, new_valid)
+        if ranked.RANK in self.arena.buffers:  # tokens newer than a row's ranking are unranked
+            nan = torch.full((1, batch, 1, q), float("nan"), device=positions.device)
+            self.arena.write_values(ranked.RANK, nan, self._writes)
         self.width = width  # the layers take it as each writes (until then they answer the old width)
 
     def end_step(self, signals: StepSignals) -> None:
         writes = self._writes
-        old = self.width - writes.q
+        old = self.width - writes.q if writes.before is None else writes.before
         signals.buffers = {name: buf[:, : writes.rows, :, :old] for name, buf in self.arena.buffers.items()}
         signals.slots_valid = self.valid
         signals.write_slots = writes.slots()
@@ -345,9 +354,12 @@ class BudgetedCache(Cache):
 
     # -- compaction ----------------------------------------------------------------------------
     def _compact_due(self) -> None:
-        due = self.books.due(self.interval)
-        if due:
-            self.compact(due)
+        rank, in_place = ranked.split_due(self.spec, self.books, self.books.due(self.interval))
+        if rank:
+            self.compact(rank)
+        if in_place:  # rank_every: one token each, evicted in place (nothing moves)
+            ranked.evict_in_place(self.arena, self.books, self.spec, in_place, self.width)
+            self.compactions += 1
 
     def compact(self, rows: Sequence[int] | None = None) -> None:
         """Score, select and move ``rows`` (default: every row with a budget): the only place tokens
@@ -358,13 +370,15 @@ class BudgetedCache(Cache):
         if not rows:
             return
         groups = {k: [r for r in rows if budgets[r] == k] for k in sorted({budgets[r] for r in rows})}
-        scores = torch.cat([self._score(group, k) for k, group in groups.items()], dim=1)
         order = [r for group in groups.values() for r in group]
-        device = self.arena.valid.device
-        index = torch.tensor(order, device=device)
-        every = order == list(range(self.batch_size))
-        pick = slice(0, self.batch_size) if every else index
-        width = self.width
+        index = torch.tensor(order, device=self.arena.valid.device)
+        pick = slice(0, self.batch_size) if order == list(range(self.batch_size)) else index
+        width, ranking = self.width, self.spec.rank_every is not None
+        if ranking:  # a ranking sees its slots in positional order, as every compaction does
+            ranked.sort_slots(self.arena, pick, width)
+        scores = torch.cat([self._score(group, k) for k, group in groups.items()], dim=1)
+        if ranking:  # and its scores are kept
+            ranked.store_ranking(self.arena, self.books, order, pick, scores, width)
         sel = self.spec.select(
             scores,
             self.arena.positions[:, pick, :, :width],

@@ -49,6 +49,7 @@ class BudgetedLayer(ArenaViewLayer):
     def __init__(self, arena: Arena, index: int) -> None:  # no super().__init__: keys are views
         self.arena, self.index = arena, index
         self.rows = self.width = 0
+        self.pending: int | None = None  # the width after a step that writes into freed slots
         self.is_initialized = True
 
     @property
@@ -77,21 +78,27 @@ class BudgetedLayer(ArenaViewLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         writes: Writes = kwargs["writes"]
         keys, values = self.arena.keys[self.index], self.arena.values[self.index]
-        if writes.index is None:
+        if writes.heads is not None:  # one slot per row, layer group and head (rank_every)
+            group = writes.heads[self.index if writes.heads.shape[0] > 1 else 0].long()
+            slots = group.expand(-1, keys.shape[1])  # (rows, H)
+            heads = torch.arange(keys.shape[1], device=keys.device)[None, :]
+            keys[writes.row_ids[:, None], heads, slots] = key_states[:, :, 0]
+            values[writes.row_ids[:, None], heads, slots] = value_states[:, :, 0]
+        elif writes.index is None:
             end = writes.start + key_states.shape[2]
             keys[: writes.rows, :, writes.start : end] = key_states
             values[: writes.rows, :, writes.start : end] = value_states
         else:
             keys[writes.row_ids, :, writes.index] = key_states[:, :, 0]
             values[writes.row_ids, :, writes.index] = value_states[:, :, 0]
-        self.rows, self.width = writes.rows, writes.width
+        self.rows, self.width, self.pending = writes.rows, writes.width, None
         return keys[: writes.rows, :, : writes.width], values[: writes.rows, :, : writes.width]
 
     def resize(self, rows: int, width: int) -> None:
         self.rows, self.width = rows, width
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.width + query_length, 0
+        return (self.width + query_length if self.pending is None else self.pending), 0
 
     def get_seq_length(self) -> int:
         return self.width

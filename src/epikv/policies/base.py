@@ -109,7 +109,8 @@ class StepSignals:
     per-token values before this step (name -> (G, B, H, L_old)); slots_valid: (B, L) the cache's
     real slots after this step's update (False at holes: left padding, rows of other lengths);
     write_slots: (B, q) the slot each new token was written to (a row's tokens fill its slots from
-    the front, so a shorter row's new token sits inside L_old, not at the end).
+    the front, so a shorter row's new token sits inside L_old, not at the end), or (G, B, H) per layer
+    group and KV head when a row wrote into the slot it freed in place (``rank_every``).
     """
 
     hidden: dict[int, torch.Tensor]

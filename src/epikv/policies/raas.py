@@ -70,9 +70,14 @@ class RaaS(AttentionPolicy):
         slots = step.write_slots
         if slots is None:
             slots = torch.arange(length - q, length, device=old.device).expand(b, q)
-        fresh = torch.zeros(b, length, dtype=torch.bool, device=old.device)
-        fresh[torch.arange(b, device=old.device)[:, None], slots] = True
-        stamps = torch.where(fresh[None, :, None, :], now, stamps)
+        if slots.dim() == 3:  # (G, B, H): a slot freed in place per layer and head (rank_every)
+            fresh = torch.zeros(g, b, h, length, dtype=torch.bool, device=old.device)
+            fresh.scatter_(-1, slots.long().expand(g, -1, h)[..., None], True)
+        else:
+            fresh = torch.zeros(b, length, dtype=torch.bool, device=old.device)
+            fresh[torch.arange(b, device=old.device)[:, None], slots] = True
+            fresh = fresh[None, :, None, :]
+        stamps = torch.where(fresh, now, stamps)
         real = step.slots_valid[None, :, None, :] if step.slots_valid is not None else None
         stamps = refresh_timestamps(stamps, attention, now, real)
         st.steps = st.steps + 1
