@@ -19,6 +19,7 @@ from typing import Any
 from epikv.errors import Interrupted, run_command
 from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP
 from epikv.policies import ALIASES, policy_class, policy_names
+from epikv.spec import RANK_EVERY_HELP
 from epikv.threads import THREADS_HELP, apply_threads
 
 
@@ -35,6 +36,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--interval", type=int, default=None, help="compaction interval tau (default: the policy's)"
     )
+    p.add_argument("--rank-every", default=None, metavar="N", help=RANK_EVERY_HELP)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -54,14 +56,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from epikv.models import load_model, model_identity, resolve_dtype
     from epikv.spec import precheck
 
-    budget = precheck(args.policy, args.budget, args.param)  # mistakes fail before the model loads
+    # mistakes fail before the model loads
+    budget = precheck(args.policy, args.budget, args.param, args.interval, args.rank_every)
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, args.seed)
     threads = apply_threads(args.threads)  # said after the model loads: a mistake stays one line
     dtype, dtype_note = resolve_dtype(args.dtype)
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=dtype)
     load_seconds = time.perf_counter() - started
-    spec = build_spec(model, args.policy, budget, interval=args.interval, params=args.param)
+    spec = build_spec(
+        model, args.policy, budget, interval=args.interval, params=args.param, rank_every=args.rank_every
+    )
     policy = spec.policy
     print(f"[epikv] {spec.describe()}", file=sys.stderr)  # which bands, from which profile (issue 12)
     print(f"[epikv] {threads}; {dtype_note}", file=sys.stderr)
@@ -89,6 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "model": model_identity(model),
         "budget": result.budget,  # the K it ran at: raised for a prompt past it (CacheSpec.prompt_budget)
         "interval": spec.interval,
+        "rank_every": spec.rank_every,
         "policy": policy.config(),
         "bands": None if spec.bands is None else dataclasses.asdict(spec.bands),
         "load_seconds": load_seconds,

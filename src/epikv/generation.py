@@ -127,13 +127,14 @@ def generate(
     chat: bool = True,
     on_token: Callable[[int, int], None] | None = None,
     on_prefill: Callable[[int, int, int], None] | None = None,
+    rank_every: int | None = None,
     **policy_params: Any,
 ) -> list[Completion]:
     """Generate for a batch of prompts under one policy (a name, a policy or a :class:`CacheSpec`)
     and budget; returns one result per prompt. ``on_token(row, token_id)`` streams every token;
     ``on_prefill(row, done, total)`` follows the prefill of a prompt long enough to run in chunks."""
     sampling = sampling or SamplingConfig()
-    spec = build_spec(model, policy, budget, interval=interval, params=policy_params)
+    spec = build_spec(model, policy, budget, interval=interval, params=policy_params, rank_every=rank_every)
     ids = encode_prompt_ids(tokenizer, prompts, chat)
     requests = prompt_requests(ids, sampling, eos_ids(model, tokenizer))
     for row, request in enumerate(requests):

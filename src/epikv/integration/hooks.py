@@ -35,14 +35,16 @@ def build_spec(
     interval: int | None = None,
     attention: str = "recompute",
     params: Mapping[str, Any] | Sequence[str] | None = None,
+    rank_every: int | str | None = None,
 ) -> CacheSpec:
     """:meth:`CacheSpec.build` for a model (a spec passed in is returned as it is)."""
     if isinstance(policy, CacheSpec):
         return policy
     check_supported(model)
     return CacheSpec.build(
-        model_info(model), policy, budget, interval=interval, attention=attention, params=params
-    )
+        model_info(model), policy, budget, interval=interval, attention=attention, params=params,
+        rank_every=rank_every,
+    )  # fmt: skip
 
 
 class Attachment:

@@ -10,7 +10,7 @@ from typing import Any
 from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP
 from epikv.serve.limits import ServeLimits, limits_from_args
 from epikv.serve.ray_serve import add_ray_serve_arguments, ray_requested, serve_on_ray
-from epikv.spec import ATTENTION_MODES
+from epikv.spec import ATTENTION_MODES, RANK_EVERY_HELP
 from epikv.threads import THREADS_HELP, apply_threads
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument(
         "--interval", type=int, default=None, help="compaction interval tau (default: the policy's)"
     )
+    p.add_argument("--rank-every", default=None, metavar="N", help=RANK_EVERY_HELP)
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy hyperparameter")
     p.add_argument("--attention", default=ATTENTION_MODES[0], choices=ATTENTION_MODES)
     p.add_argument("--kv-pool", type=int, default=None, help="KV slots all running requests may reserve")
@@ -104,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from epikv.models import load_model, model_identity, resolve_dtype
     from epikv.spec import precheck
 
-    budget = precheck(args.policy, args.budget, args.param)  # mistakes fail before the model loads
+    # mistakes fail before the model loads
+    budget = precheck(args.policy, args.budget, args.param, args.interval, args.rank_every)
     http_limits, access = serve_limits(args)
     limits = SchedulerLimits(args.kv_pool, args.max_batch, args.max_waiting)
     threads = apply_threads(args.threads)
@@ -112,8 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = f"{threads}; {dtype_note}; {batch_promise(dtype)}"
     model, tokenizer = load_model(args.model, dtype=dtype)
     spec = build_spec(
-        model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param
-    )
+        model, args.policy, budget, interval=args.interval, attention=args.attention, params=args.param,
+        rank_every=args.rank_every,
+    )  # fmt: skip
     name = args.served_model_name or model_identity(model)
     app = build_app(model, tokenizer, spec, limits, name, args.max_tokens, http_limits, access)
     if not args.no_access_log:

@@ -36,6 +36,7 @@ class ReplicaSettings:
     policy: str = "epikv"
     budget: str = "256"
     interval: int | None = None
+    rank_every: str | None = None
     params: tuple[str, ...] = ()
     attention: str = "recompute"
     kv_pool: int | None = None
@@ -61,7 +62,7 @@ class ReplicaSettings:
         so mistakes surface before any replica starts (:func:`epikv.spec.precheck`)."""
         from epikv.spec import precheck
 
-        return precheck(self.policy, self.budget, self.params)
+        return precheck(self.policy, self.budget, self.params, self.interval, self.rank_every)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def build_replica_app(settings: ReplicaSettings, replica: str) -> Any:
     model, tokenizer = load_model(settings.model)
     spec = build_spec(
         model, settings.policy, budget, interval=settings.interval, attention=settings.attention,
-        params=list(settings.params),
+        params=list(settings.params), rank_every=settings.rank_every,
     )  # fmt: skip
     limits = SchedulerLimits(settings.kv_pool, settings.max_batch, settings.max_waiting)
     name = settings.served_model_name or model_identity(model)
