@@ -12,6 +12,7 @@ import torch
 
 from epikv.engine import Engine, Request
 from epikv.integration import model_info
+from epikv.models.tiny import tiny_model
 from epikv.policies.base import CacheView, ModelInfo, Policy, global_scores
 from epikv.policies.rows import RowState
 from epikv.spec import CacheSpec
@@ -152,3 +153,11 @@ def test_each_step_evicts_the_lowest_ranked_token_still_present(tiny_llama, rho)
     sets = [s[0] for _, s in got[:-2]]
     assert sets == reference(len(prompt), n - 1, k, rho, recent=2)
     assert got[-1] == k + 1
+
+
+def test_a_static_ranking_on_a_hybrid_model_too():
+    """Sliding-window layers keep their rings; the global layers' mask reads the slots written in place."""
+    model = tiny_model("gemma3_text")
+    want = kept_sets(model, spec_for(model, "streaming-prompt", None), prompts(1)[0])
+    got = kept_sets(model, spec_for(model, "streaming-prompt", 8), prompts(1)[0])
+    assert len(want) > 20 and got == want
