@@ -28,6 +28,7 @@ CORE = (
     "epikv.vllm.requests",
     "epikv.vllm.step",
     "epikv.vllm.compaction",
+    "epikv.vllm.counters",
     "epikv.vllm.paged",
     "epikv.vllm.metrics",
     "epikv.vllm.queries",

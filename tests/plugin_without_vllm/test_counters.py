@@ -24,3 +24,18 @@ def test_the_record_crosses_processes():
     counters = Counters(300, 44, 2, None)
     again = pickle.loads(pickle.dumps({"req-1": counters}))["req-1"]
     assert type(again) is Counters and again == counters and again.evictions == 44
+
+
+def test_the_workers_report_holds_counters_records():
+    from epikv.policies.base import ModelInfo
+    from epikv.vllm.config import EpiKVSettings
+    from epikv.vllm.step import EpiKVWorkerState
+    from tests.plugin_without_vllm.test_step import batch
+
+    model = ModelInfo("m", 30, 9, 3, 64, 576)
+    settings = EpiKVSettings("full")
+    state = EpiKVWorkerState(settings, settings.spec(model), model)
+    state.after_forward(batch("ab", [10, 4], [10, 4], [1, 1], [64, 64]), None)
+    report, _ = state.take()
+    assert report == {"a": (11, 0, 0, None), "b": (5, 0, 0, None)}
+    assert all(type(c) is Counters for c in report.values())  # named, not a bare 4-tuple

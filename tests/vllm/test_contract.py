@@ -169,6 +169,20 @@ def test_each_unsupported_setting_is_refused_with_one_line(spec, change, words):
     assert "\n" not in str(err.value)
 
 
+def test_a_patch_release_not_pinned_is_refused_in_one_line_naming_the_pinned_ones(monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.32.1")  # the old prefix check let it through
+    with pytest.raises(Refused, match=r"vLLM 0\.32\.1 is not supported.*0\.32\.0 exactly") as err:
+        check_engine(config(), STREAMING)
+    assert "\n" not in str(err.value)
+
+
+def test_a_renamed_config_field_fails_loudly_not_as_a_dropped_refusal():
+    c = config()
+    del c.model_config.use_mla  # read with getattr(..., False) before: a rename skipped the refusal
+    with pytest.raises(AttributeError, match="use_mla"):
+        check_engine(c, STREAMING)
+
+
 def test_prefix_caching_runs_for_policies_that_protect_the_prompt():
     assert SEGQ.policy.protect_prompt and not STREAMING.policy.protect_prompt
     check_engine(config(cache_config__enable_prefix_caching=True), SEGQ)

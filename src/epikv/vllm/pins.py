@@ -17,8 +17,6 @@ VLLM_VERSIONS = ("0.32.0",)
 """The vLLM releases the plugin runs on: the private runner and scheduler methods it overrides are
 checked against these, and a patch release may move them."""
 
-VLLM_SERIES = "0.32."  # read by refusals.check_engine until it calls version_refusal (exact versions)
-
 KINDS = ("subclass", "override", "wrap", "replace", "call", "read", "write")
 CHECKS = ("exists", "params", "init", "field", "live", "source")
 

@@ -9,7 +9,7 @@ from typing import Any
 from epikv.archs import ARCHITECTURES, window_problem
 from epikv.spec import CacheSpec
 from epikv.vllm.config import Refused
-from epikv.vllm.pins import VLLM_SERIES
+from epikv.vllm.pins import version_refusal
 
 
 def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
@@ -18,11 +18,9 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
     import vllm
     from vllm.platforms import current_platform
 
-    if not vllm.__version__.startswith(VLLM_SERIES):
-        raise Refused(
-            f"epikv: vLLM {vllm.__version__} is not supported (tested on {VLLM_SERIES}x; the worker "
-            "overrides private methods of its model runner)"
-        )
+    refusal = version_refusal(vllm.__version__)
+    if refusal is not None:
+        raise Refused(refusal)
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
     hf = model.hf_text_config
@@ -56,7 +54,7 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
             "is not supported (the layout probe needs exact values)",
         ),
         (
-            bool(getattr(model, "use_mla", False)),
+            bool(model.use_mla),
             "models with multi-head latent attention (MLA) are not supported yet",
         ),
         (window is not None, str(window)),
@@ -66,19 +64,19 @@ def check_engine(vllm_config: Any, spec: CacheSpec) -> None:
             "distance is wrong once tokens are evicted",
         ),
         (
-            bool(getattr(model, "enable_prompt_embeds", False)),
+            bool(model.enable_prompt_embeds),
             "prompt embeddings are not supported (--enable-prompt-embeds): the plugin protects and "
             "counts a prompt by its token ids",
         ),
-        (bool(getattr(scheduler, "async_scheduling", False)), "async scheduling is not supported"),
+        (bool(scheduler.async_scheduling), "async scheduling is not supported"),
         (vllm_config.kv_transfer_config is not None, "KV connectors are not supported"),
         (
-            queries and getattr(vllm_config, "lora_config", None) is not None,
+            queries and vllm_config.lora_config is not None,
             f"policy {spec.policy.name!r} recomputes queries, which LoRA adapters would change: "
             "LoRA is not supported with it",
         ),
         (
-            queries and getattr(model, "quantization", None) is not None,
+            queries and model.quantization is not None,
             f"policy {spec.policy.name!r} recomputes queries through the query projection, which is not "
             f"built for {model.quantization!r} weights; use an unquantized model or a policy without "
             "queries",

@@ -47,6 +47,7 @@ from epikv.vllm.config import (
     model_info,
     plan_request,
 )
+from epikv.vllm.counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -141,21 +142,15 @@ def capped_spec(spec: FullAttentionSpec, cap: int | None) -> EpiKVAttentionSpec:
     return EpiKVAttentionSpec(**values, cap_tokens=cap or 0)
 
 
-def stats_of(counters: tuple[int, int, int, int | None]) -> dict[str, int | None]:
-    """A request's counters as its output carries them (``kv_transfer_params["epikv"]``)."""
-    peak, evicted, compactions, budget = counters
-    return {"peak_cache_tokens": peak, "evictions": evicted, "compactions": compactions, "budget": budget}
-
-
 class EpiKVScheduler(Scheduler):
     """vLLM's scheduler with each request planned at admission (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.epikv_plans: dict[str, RequestPlan] = {}
-        self.epikv_counters: dict[str, tuple[int, int, int, int | None]] = {}  # the worker's latest
+        self.epikv_counters: dict[str, Counters] = {}  # the worker's latest
         self._epikv_failed: list[tuple[int, EngineCoreOutput]] = []
-        self._epikv_final: dict[str, tuple[int, int, int, int | None]] | None = None
+        self._epikv_final: dict[str, Counters] | None = None
         settings = EpiKVSettings.from_config(vllm_config.additional_config or {})
         self.epikv_spec = settings.spec(model_info(vllm_config)) if settings is not None else None
         self.epikv_usable_blocks = kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
@@ -277,7 +272,7 @@ class EpiKVScheduler(Scheduler):
         message = f"epikv: request {request.request_id}: {why}"
         log.warning("%s", message)
         counters = self.epikv_counters.get(request.request_id)
-        stats: dict[str, Any] = stats_of(counters) if counters else {}
+        stats: dict[str, Any] = counters.as_params() if counters else {}
         if refused is not None:
             stats["refused"] = refused
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)  # from whichever queue
@@ -331,7 +326,7 @@ class EpiKVScheduler(Scheduler):
             for out in batch.outputs:
                 values = counters.get(out.request_id) or final.get(out.request_id)
                 if values is not None:
-                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), KEY: stats_of(values)}
+                    out.kv_transfer_params = {**(out.kv_transfer_params or {}), KEY: values.as_params()}
         for client, output in self._epikv_failed:
             if client not in outputs:
                 outputs[client] = EngineCoreOutputs(outputs=[])

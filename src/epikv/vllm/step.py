@@ -42,6 +42,7 @@ from epikv.policies.rows import snapshot_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import PEER_FAILED, SlotStore
 from epikv.vllm.config import EpiKVSettings, plan_request
+from epikv.vllm.counters import Counters
 from epikv.vllm.requests import Requests
 from epikv.vllm.step_compact import RowCompactions
 
@@ -99,7 +100,7 @@ class EpiKVWorkerState(RowCompactions):
         self.store: SlotStore | None = None
         self.block_size = 0
         # req_id -> (peak physical tokens, tokens evicted, compactions, budget) after this step
-        self.report: dict[str, tuple[int, int, int, int | None]] = {}
+        self.report: dict[str, Counters] = {}
         self.faults: dict[str, str] = {}  # req_id -> why, this step (the scheduler fails them)
         # one trace per engine: under tensor parallelism the first rank writes it (all keep the same)
         self._trace = open(settings.trace, "a") if settings.trace and trace else None
@@ -115,7 +116,7 @@ class EpiKVWorkerState(RowCompactions):
         self.report.pop(req_id, None)  # the scheduler keeps its counters of the step before
         self.requests.remove(req_id)
 
-    def take(self) -> tuple[dict[str, tuple[int, int, int, int | None]], dict[str, str]]:
+    def take(self) -> tuple[dict[str, Counters], dict[str, str]]:
         """This step's counters and faults, for the runner's output (then cleared)."""
         report, faults = self.report, self.faults
         self.report, self.faults = {}, {}
@@ -176,7 +177,7 @@ class EpiKVWorkerState(RowCompactions):
         n = len(batch.ids)
         if not self.evicts:  # ``full``: nothing to observe; the counters are the lengths
             held = (batch.computed + batch.scheduled).tolist()
-            self.report.update((r, (h, 0, 0, None)) for r, h in zip(batch.ids, held, strict=True))
+            self.report.update((r, Counters(h, 0, 0, None)) for r, h in zip(batch.ids, held, strict=True))
             return
         assert self.store is not None and batch.slots is not None
         records = self.requests.records
@@ -289,7 +290,9 @@ class EpiKVWorkerState(RowCompactions):
 
     def _report_one(self, req_id: str, books: Any) -> None:
         """A one-row request's counters after this step."""
-        self.report[req_id] = (books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0])
+        self.report[req_id] = Counters(
+            books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0]
+        )
 
     def _compact_prefilled(self, batch: StepBatch, req_id: str) -> bool:
         """A request whose prompt is all in: compacted if it is due (a fault is its prefill's);
@@ -369,7 +372,7 @@ class EpiKVWorkerState(RowCompactions):
         if due:
             state, failed = self._compact(batch, ids, books, state, due)
             self.requests.set_state(state)
-        counters = zip(books.peak, books.evicted, books.compactions, books.budgets, strict=True)
+        counters = map(Counters, books.peak, books.evicted, books.compactions, books.budgets)
         self.report.update(
             (r, c) for i, (r, c) in enumerate(zip(ids, counters, strict=True)) if i not in failed
         )
