@@ -98,7 +98,7 @@ PINS: tuple[Pin, ...] = (
         ("seq_lens", "positions", "query_start_loc", "req_indices", "execute_model_state", "input_batch",
          "requests", "compilation_config", "model", "model_config",
          "attn_groups"),
-        "the runner's step state the worker reads (runner.EpiKVRunnerMixin)", _NO_HOOK, "live",
+        "the runner's step state the worker reads (runner.EpiKVCPURunner)", _NO_HOOK, "live",
     ),
     Pin(f"{RUNNER}.use_aux_hidden_state_outputs", "write", "band layers' hidden states ride EAGLE-3's path",
         _NO_HOOK, "live"),

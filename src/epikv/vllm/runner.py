@@ -36,15 +36,15 @@ from epikv.vllm.scheduler import EpiKVAttentionSpec, capped_spec, register_spec
 from epikv.vllm.step import EpiKVWorkerState, NewRequest, StepBatch
 
 
-class EpiKVRunnerMixin:
-    """EpiKV around a V1 model runner (see the module docstring)."""
+class EpiKVCPURunner(CPUModelRunner):
+    """vLLM's CPU model runner with EpiKV around its forward (see the module docstring)."""
 
     epikv: EpiKVWorkerState | None
     epikv_group = 0  # the KV cache group of the global layers (the one that evicts)
     epikv_dropped: torch.Tensor | None = None  # this step's tokens evicted per row (None: none)
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
-        super().__init__(vllm_config, device)  # type: ignore[call-arg]
+        super().__init__(vllm_config, device)
         settings = EpiKVSettings.from_config(vllm_config.additional_config)
         self.epikv = None
         if settings is None:
@@ -61,12 +61,12 @@ class EpiKVRunnerMixin:
     def _get_eagle3_aux_layers_from_config(self) -> tuple[int, ...] | None:
         if self.epikv is not None and self.epikv.aux_layers:
             return self.epikv.aux_layers
-        return super()._get_eagle3_aux_layers_from_config()  # type: ignore[misc]
+        return super()._get_eagle3_aux_layers_from_config()
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         """Global layers get the capped spec; a hybrid's sliding layers keep vLLM's own spec (their
         own manager, window and kernels: compaction never touches them)."""
-        specs = super().get_kv_cache_spec()  # type: ignore[misc]
+        specs = super().get_kv_cache_spec()
         if self.epikv is None:
             return specs
         model, out = self.epikv.model, {}
@@ -85,7 +85,7 @@ class EpiKVRunnerMixin:
         return out
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if self.epikv is None:
             return
         model = self.epikv.model
@@ -98,10 +98,10 @@ class EpiKVRunnerMixin:
                 f"{len(evicting)} KV cache groups; the plugin compacts exactly one group holding all of them"
             )
         self.epikv_group = group = evicting[0]
-        for attn_group in self.attn_groups[group]:  # type: ignore[attr-defined]
+        for attn_group in self.attn_groups[group]:
             for builder in attn_group.metadata_builders:
                 builder.build = _physical_lengths(builder.build, self)
-        every = _attention_layers(self.compilation_config.static_forward_context)  # type: ignore[attr-defined]
+        every = _attention_layers(self.compilation_config.static_forward_context)
         layers = [every[i] for i in model.cache_layers]
         first = layers[0]
         pages = [layer.kv_cache for layer in layers]
@@ -115,8 +115,8 @@ class EpiKVRunnerMixin:
         if self.epikv.spec.policy.needs().query_layer is not None:
             store.project_queries = query_projector(
                 self.model,
-                self.model_config.hf_config.model_type,  # type: ignore[attr-defined]
-            )  # type: ignore[attr-defined]
+                self.model_config.hf_config.model_type,
+            )
         tp = get_tp_group()
         if tp.world_size > 1:
             store.shards = _head_shards(tp, paged.num_heads)
@@ -127,13 +127,13 @@ class EpiKVRunnerMixin:
         if self.epikv is not None:
             gone = set(out_.preempted_req_ids or ()) | set(out_.scheduled_cached_reqs.resumed_req_ids)
             self.epikv.before_update(list(out_.finished_req_ids), sorted(gone))
-        out = super()._update_states(scheduler_output)  # type: ignore[misc]
+        out = super()._update_states(scheduler_output)
         if self.epikv is not None:
             self.epikv.after_update([_new_request(new) for new in out_.scheduled_new_reqs])
         return out
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self.epikv_dropped = None
         if self.epikv is not None and self.epikv.evicts:
             self._physical(num_scheduled_tokens)
@@ -150,36 +150,36 @@ class EpiKVRunnerMixin:
             return
         n, total = len(batch.ids), int(batch.starts[-1])
         self.epikv_dropped = torch.from_numpy(dropped)  # read by the group's metadata builders
-        rows = self.req_indices.np[:total]  # type: ignore[attr-defined]
+        rows = self.req_indices.np[:total]
         physical = batch.positions[:total] - torch.from_numpy(dropped[rows])
-        table = self.input_batch.block_table[self.epikv_group]  # type: ignore[attr-defined]
-        table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], physical)  # type: ignore[attr-defined]
+        table = self.input_batch.block_table[self.epikv_group]
+        table.compute_slot_mapping(n, self.query_start_loc.gpu[: n + 1], physical)
         if bad.any():
             table.slot_mapping.gpu[:total][torch.from_numpy(bad[rows])] = -1
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        out = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
+        out = super().execute_model(scheduler_output, intermediate_tensors)
         self.epikv_dropped = None  # built into this step's metadata; a dummy run must not see it
-        state = self.execute_model_state  # type: ignore[attr-defined]
+        state = self.execute_model_state
         if self.epikv is not None and state is not None:
             batch = self._step_batch(scheduler_output.num_scheduled_tokens, written=True)
             self.epikv.after_forward(batch, state.aux_hidden_states)
         return out
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        out = super().sample_tokens(grammar_output)
         if self.epikv is not None and hasattr(out, "req_ids") and out is not EMPTY_MODEL_RUNNER_OUTPUT:
             out.epikv, out.epikv_faults = self.epikv.take()  # travel to the scheduler (pickled)
         return out
 
     def _step_batch(self, scheduled: Any, written: bool = False) -> StepBatch:
         """This step's rows, read from vLLM's runner and input batch (the one place that does)."""
-        batch = self.input_batch  # type: ignore[attr-defined]
+        batch = self.input_batch
         n = batch.num_reqs
         ids = list(batch.req_ids[:n])
         if isinstance(scheduled, dict):  # after the forward: the scheduler's per-request counts
             scheduled = np.array([scheduled[r] for r in ids], dtype=np.int64)
-        starts = self.query_start_loc.np[: n + 1].astype(np.int64)  # type: ignore[attr-defined]
+        starts = self.query_start_loc.np[: n + 1].astype(np.int64)
         table = batch.block_table[self.epikv_group]
         return StepBatch(
             ids=ids,
@@ -188,9 +188,9 @@ class EpiKVRunnerMixin:
             scheduled=np.asarray(scheduled[:n], dtype=np.int64),
             starts=starts,
             room=table.num_blocks_per_row[:n].astype(np.int64) * self.epikv.block_size,  # type: ignore[union-attr]
-            positions=self.positions[: int(starts[n])],  # type: ignore[attr-defined]
+            positions=self.positions[: int(starts[n])],
             slots=table.slot_mapping.gpu[: int(starts[n])].long() if written else None,
-            blocks=lambda req_id: self.requests[req_id].block_ids[self.epikv_group],  # type: ignore[attr-defined]
+            blocks=lambda req_id: self.requests[req_id].block_ids[self.epikv_group],
         )
 
 
@@ -203,10 +203,6 @@ def _new_request(new: Any) -> NewRequest:
         max_tokens=params.max_tokens if params is not None else None,
         extra_args=params.extra_args if params is not None else None,
     )
-
-
-class EpiKVCPURunner(EpiKVRunnerMixin, CPUModelRunner):
-    """vLLM's CPU model runner with EpiKV."""
 
 
 class EpiKVCPUWorker(CPUWorker):
@@ -241,7 +237,7 @@ def _head_shards(tp: Any, heads: int) -> HeadShards:
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def _physical_lengths(build: Callable[..., Any], runner: EpiKVRunnerMixin) -> Callable[..., Any]:
+def _physical_lengths(build: Callable[..., Any], runner: EpiKVCPURunner) -> Callable[..., Any]:
     """A metadata builder of the evicting group that sees each row's physical length (logical minus
     what the row has evicted): vLLM shares one ``seq_lens`` across KV cache groups, and a hybrid's
     sliding layers need the logical one."""

@@ -79,7 +79,7 @@ class StepBatch:
     blocks: Callable[[str], Sequence[int]] | None = None
 
 
-class EpiKVWorkerState(RowCompactions):
+class EpiKVWorkerState:
     """The plugin's state in one worker: the spec, the requests' books and state, the slot store."""
 
     def __init__(
@@ -103,7 +103,8 @@ class EpiKVWorkerState(RowCompactions):
         self.report: dict[str, Counters] = {}
         self.faults: dict[str, str] = {}  # req_id -> why, this step (the scheduler fails them)
         # one trace per engine: under tensor parallelism the first rank writes it (all keep the same)
-        self._trace = open(settings.trace, "a") if settings.trace and trace else None
+        trace_file = open(settings.trace, "a") if settings.trace and trace else None
+        self.compactions = RowCompactions(spec, self.requests, trace_file)
 
     @property
     def evicts(self) -> bool:
@@ -293,6 +294,12 @@ class EpiKVWorkerState(RowCompactions):
         self.report[req_id] = Counters(
             books.peak[0], books.evicted[0], books.compactions[0], books.budgets[0]
         )
+
+    def _compact(
+        self, batch: StepBatch, ids: list[str], books: Any, state: Any, rows: list[int]
+    ) -> tuple[Any, dict[int, Exception]]:
+        assert self.store is not None
+        return self.compactions.compact(self.store, self.block_size, batch, ids, books, state, rows)
 
     def _compact_prefilled(self, batch: StepBatch, req_id: str) -> bool:
         """A request whose prompt is all in: compacted if it is due (a fault is its prefill's);
