@@ -3,6 +3,7 @@ the newest tokens (``streaming-prompt``), and random eviction drawn per KV head 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from epikv.engine import Engine, Request
@@ -36,9 +37,13 @@ def test_streaming_prompt_keeps_the_prompt_and_the_newest_tokens(tiny_llama):
 
 
 def test_streaming_with_its_prompt_protected_is_not_that_baseline(tiny_llama):
-    """``streaming`` protects K - 4 recent tokens: with the prompt protected too it protects more than
-    K; ``streaming-prompt`` protects the prompt and the shared window, and fills K with the newest."""
-    assert spec(tiny_llama, "streaming", protect_prompt=True).protected_tokens(12) == 12 + K - 4
+    """``streaming`` protects K - 4 recent tokens: with the prompt protected too it would protect more
+    than any K (``CacheSpec.min_budget`` looped for ever), so it is refused in one line naming
+    ``streaming-prompt``, which protects the prompt and the shared window and fills K with the newest.
+    With an explicit window it still builds."""
+    with pytest.raises(ValueError, match="streaming-prompt"):
+        spec(tiny_llama, "streaming", protect_prompt=True)
+    assert spec(tiny_llama, "streaming", protect_prompt=True, recent=8).min_budget(20) == 28
     assert spec(tiny_llama, "streaming-prompt").protected_tokens(12) == 12 + K // 4
 
 

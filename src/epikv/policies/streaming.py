@@ -27,6 +27,15 @@ class StreamingLLM(Policy):
     protect_prompt: bool = False
     n_sink: int = 4
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.protect_prompt and self.recent is None:
+            # The default window is K - n_sink: with the prompt protected too, no K holds both.
+            raise ValueError(
+                "streaming: protect_prompt=True with the default window (K - n_sink) protects more "
+                "than K; use the policy streaming-prompt (the prompt and the newest tokens) or set recent"
+            )
+
     def recent_window(self, budget: int) -> int:
         return budget - self.n_sink if self.recent is None else self.recent
 
