@@ -108,15 +108,6 @@ def measure(revision: str | None) -> dict[str, Any]:
     }
 
 
-def lscpu_model() -> str | None:
-    """``lscpu``'s "Model name" line (None where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return next((x.split(":", 1)[1].strip() for x in out.splitlines() if x.startswith("Model name")), None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default="fc9f75b", help="git revision with the one-shot gather")
@@ -138,7 +129,7 @@ def main() -> None:
         "what": "peak extra memory of one plugin compaction (streaming, bf16 paged pool), before/after",
         "shape": SHAPE,
         "commit": head.stdout.strip(),
-        "lscpu_model_name": lscpu_model(),
+        "lscpu_model_name": machine.cpu()["model"],  # /proc/cpuinfo, as lscpu reads it
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         **runs,

@@ -126,15 +126,6 @@ def child(shape: dict[str, int], src: Path | None) -> dict[str, Any]:
     return json.loads(line[len("RESULT ") :])
 
 
-def lscpu_model() -> str | None:
-    """``lscpu``'s "Model name" line (None where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return next((x.split(":", 1)[1].strip() for x in out.splitlines() if x.startswith("Model name")), None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default="997065a", help="git revision with the unbounded reads")
@@ -162,7 +153,7 @@ def main() -> None:
         "shapes": SHAPES,
         "before_revision": args.before,
         "commit": head.stdout.strip(),
-        "lscpu_model_name": lscpu_model(),
+        "lscpu_model_name": machine.cpu()["model"],  # /proc/cpuinfo, as lscpu reads it
         "cpu_flags": machine.cpu()["flags"],
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
