@@ -20,6 +20,7 @@ from typing import Any
 from epikv.bench.accuracy.cli import add_accuracy_parser
 from epikv.bench.shared import documents
 from epikv.outputs import check_output_dir, check_output_file
+from epikv.spec import RANK_EVERY_HELP
 
 KINDS = ("memory", "speed", "step", "fidelity", "loops", "capacity", "peer", "serve")
 # One line each for `epikv bench --help` (the run functions' docstrings are written for readers of code).
@@ -58,6 +59,8 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--dtypes": ("dtypes", _names, "comma-separated dtypes (float32,bfloat16)"),
     "--budgets": ("budgets", _ints, "comma-separated budgets"),
     "--interval": ("interval", int, "compaction interval tau (default: each policy's own)"),
+    "--rank-every": ("rank_every", int, RANK_EVERY_HELP),
+    "--pool-tokens": ("pool_tokens", int, "KV pool in tokens (default: 8 full requests at the cap)"),
     "--tokens": ("tokens", int, "forced decode tokens (EOS ignored)"),
     "--repeats": ("repeats", int, "interleaved repeats of every policy"),
     "--chunk": ("chunk", int, "decode steps each policy runs per turn (policies take turns)"),
