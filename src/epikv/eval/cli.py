@@ -37,7 +37,7 @@ from epikv.eval.runs import RunSummary, load_runs
 from epikv.models.loading import DTYPE_CHOICES, DTYPE_HELP, resolve_dtype
 from epikv.outputs import check_output_dir
 from epikv.policies import policy_class
-from epikv.spec import budget_at_peak, parse_budget, parse_policy_params
+from epikv.spec import RANK_EVERY_HELP, budget_at_peak, parse_budget, parse_policy_params, parse_rank_every
 from epikv.threads import THREADS_HELP, apply_threads, parse_threads
 
 # The engine for `--model`; a module attribute so that tests can replace it.
@@ -84,6 +84,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=1, help="samples per problem (pass@1 = mean)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval", type=int, default=None, help="eviction interval in decode steps")
+    parser.add_argument("--rank-every", default=None, metavar="N", help=RANK_EVERY_HELP)
     parser.add_argument(
         "--policy-param",
         action="append",
@@ -136,9 +137,11 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
     """One config per (evicting policy, budget) and one per non-evicting policy (no budget), in the
-    order given; duplicates are dropped. Policy parameters are parsed by each policy's field types."""
+    order given; duplicates are dropped. Policy parameters are parsed by each policy's field types.
+    ``--rank-every`` (rho) goes to every evicting policy's config (at tau = 1, so a peak is K + 1)."""
     params = {p: parse_policy_params(policy_class(p), args.policy_param) for p in args.policy}
     peaks = getattr(args, "peak", [])
+    rho = {p: parse_rank_every(getattr(args, "rank_every", None), _tau(args, params[p])) for p in args.policy}
     pairs: list[tuple[str, int | None]] = []
     for policy in args.policy:
         if not policy_class(policy).evicts:
@@ -147,7 +150,8 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
             raise ValueError(f"policy {policy!r} evicts and needs --budget or --peak (a number of tokens)")
         else:
             pairs.extend((policy, budget) for budget in args.budget)
-            pairs.extend((policy, budget_at_peak(policy, p, args.interval, params[policy])) for p in peaks)
+            tau = 1 if rho[policy] is not None else args.interval
+            pairs.extend((policy, budget_at_peak(policy, p, tau, params[policy])) for p in peaks)
     dtype = str(resolve_dtype(args.dtype)[0]).removeprefix("torch.")
     configs = []
     for policy, budget in dict.fromkeys(pairs):
@@ -168,6 +172,7 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
                 batch_size=args.batch_size,
                 shard=args.shard,
                 interval=args.interval,
+                rank_every=rho[policy] if policy_class(policy).evicts else None,
                 policy_params=json.loads(json.dumps(params[policy])),  # saved (JSON) form: tuples as lists
                 progress=not args.no_progress,
                 dtype=dtype,
@@ -176,6 +181,11 @@ def configs_from_args(args: argparse.Namespace) -> list[EvalConfig]:
             )
         )
     return configs
+
+
+def _tau(args: argparse.Namespace, params: dict[str, Any]) -> int | None:
+    """The interval a policy runs at as asked (None: its own), which ``--rank-every`` must find 1."""
+    return args.interval if args.interval is not None else params.get("interval")
 
 
 def eval_command(args: argparse.Namespace, engine: EngineFactory | None = None) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
+from epikv.spec import parse_rank_every
 
 # Fields that choose which examples run or how fast, not what any one result is: they may change
 # between invocations on the same run folder. Every other field must match the saved config.
@@ -48,7 +49,8 @@ def parse_shard(shard: str | None) -> tuple[int, int]:
 @dataclass(frozen=True)
 class EvalConfig:
     """One (dataset, policy, budget) evaluation. `budget=None` means no eviction (full cache);
-    `max_new_tokens=None` takes the task's cap (8192, AIME 16384)."""
+    `max_new_tokens=None` takes the task's cap (8192, AIME 16384); `rank_every` is rho
+    (:func:`epikv.spec.parse_rank_every`; None: score at every eviction), saved only when set."""
 
     dataset: str
     policy: str
@@ -65,6 +67,7 @@ class EvalConfig:
     batch_size: int = 1
     shard: str | None = None
     interval: int | None = None
+    rank_every: int | None = None
     policy_params: dict[str, Any] = field(default_factory=dict)
     system_prompt: str = PAPER_SYSTEM_PROMPT
     progress: bool = True
@@ -77,6 +80,8 @@ class EvalConfig:
         self._check_counts()
         self._check_sampling()
         parse_shard(self.shard)
+        tau = self.interval if self.interval is not None else self.policy_params.get("interval")
+        object.__setattr__(self, "rank_every", parse_rank_every(self.rank_every, tau))  # digits: an int
 
     def _check_names(self) -> None:
         if not self.dataset:
@@ -134,12 +139,14 @@ def run_dir(config: EvalConfig, task_name: str) -> Path:
 def saved_form(config: EvalConfig) -> dict[str, Any]:
     """The JSON object written to config.json (JSON-normalised, so it compares equal after a reload)."""
     data = {k: v for k, v in dataclasses.asdict(config).items() if k not in UNSAVED_FIELDS}
+    if config.rank_every is None:  # a field added later: runs without it keep their saved form
+        del data["rank_every"]
     normalised: dict[str, Any] = json.loads(json.dumps(data, sort_keys=True))
     return normalised
 
 
 # Fields added after runs were saved without them, with the value those runs had.
-SAVED_BEFORE = {"dtype": "float32", "engine": "epikv"}
+SAVED_BEFORE = {"dtype": "float32", "engine": "epikv", "rank_every": None}
 
 
 def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -48,16 +48,40 @@ class Generator(Protocol):
 
 # run_eval asks for one generator per (policy, budget); None budget = no eviction.
 GeneratorFactory = Callable[[str, "int | None"], Generator]
-# The engine with the model bound: (policy, budget, interval, policy_params) -> generator.
-EngineFactory = Callable[[str, "int | None", "int | None", dict[str, Any]], Generator]
+# The engine with the model bound: (policy, budget, interval, policy_params) -> generator; a run with
+# rank_every (rho) set passes it as the keyword ``rank_every`` (and only then: engines from before it
+# need not take it).
+EngineFactory = Callable[..., Generator]
 
 
 def engine_for_model(model_name: str | None, dtype: str = "float32") -> EngineFactory:
     """The engine's :func:`~epikv.generation.make_generator` with the model (in ``dtype``) bound
     (imported here, so that argument parsing, reports and tests never load a model)."""
-    from epikv.generation import make_generator
+    return partial(_epikv_generator, model_name, dtype=dtype)
 
-    return partial(make_generator, model_name, dtype=dtype)
+
+def _epikv_generator(
+    model_name: str | None,
+    policy: str,
+    budget: int | None,
+    interval: int | None = None,
+    policy_params: dict[str, Any] | None = None,
+    *,
+    dtype: str = "float32",
+    rank_every: int | None = None,
+) -> Generator:
+    """:func:`~epikv.generation.make_generator`, and with ``rank_every`` its model and tokenizer under
+    the spec built with rho (make_generator takes no rho; its own spec is only resolved, never run)."""
+    from epikv.generation import ChatGenerator, make_generator
+    from epikv.integration import build_spec
+
+    made = make_generator(model_name, policy, budget, interval, policy_params, dtype=dtype)
+    if rank_every is None:
+        return made
+    spec = build_spec(
+        made.model, policy, budget, interval=interval, params=policy_params, rank_every=rank_every
+    )
+    return ChatGenerator(made.model, made.tokenizer, spec)
 
 
 def engine_for_config(config: EvalConfig) -> EngineFactory:
@@ -82,10 +106,12 @@ def engine_for_config(config: EvalConfig) -> EngineFactory:
 
 
 def generator_factory(engine: EngineFactory, config: EvalConfig) -> GeneratorFactory:
-    """The engine with one run's interval and policy parameters bound: what `run_eval` calls."""
+    """The engine with one run's interval, rank_every and policy parameters bound: what `run_eval`
+    calls."""
+    ranking = {} if config.rank_every is None else {"rank_every": config.rank_every}
 
     def for_run(policy: str, budget: int | None) -> Generator:
-        return engine(policy, budget, config.interval, config.policy_params)
+        return engine(policy, budget, config.interval, config.policy_params, **ranking)
 
     return for_run
 

@@ -61,20 +61,33 @@ def vllm_python(given: str | None = None) -> str:
 _LIVE: VllmGenerator | None = None  # the generator whose worker is running
 
 
-def plugin_spec(
-    source: str, policy: str, budget: int | None, interval: int | None, params: dict[str, Any]
-) -> CacheSpec:
-    """The spec the plugin builds for ``source`` (:meth:`EpiKVSettings.spec`), from its config alone."""
+def plugin_config(
+    policy: str,
+    budget: int | None,
+    interval: int | None,
+    params: dict[str, Any],
+    rank_every: int | None = None,
+) -> dict[str, Any]:
+    """What the run hands the plugin as ``additional_config["epikv"]`` (``rank_every`` only when set)."""
+    from epikv.vllm.config import EpiKVSettings
+
+    ranking = {} if rank_every is None else {"rank_every": rank_every}
+    return EpiKVSettings(policy, budget, interval, dict(params)).as_config() | ranking
+
+
+def plugin_spec(source: str, settings: dict[str, Any]) -> CacheSpec:
+    """The spec the plugin builds for ``source`` from ``settings`` (:func:`plugin_config`), as the
+    plugin reads them (:meth:`EpiKVSettings.from_config`, then :meth:`EpiKVSettings.spec`)."""
     from transformers import AutoConfig
 
     from epikv.policies.base import ModelInfo
-    from epikv.vllm.config import EpiKVSettings
+    from epikv.vllm.config import KEY, EpiKVSettings
 
     config = AutoConfig.from_pretrained(source)
     identity = getattr(config, "epikv_model_id", None) or source
-    return EpiKVSettings(policy, budget, interval, dict(params)).spec(
-        ModelInfo.from_config(config.get_text_config(), identity)
-    )
+    read = EpiKVSettings.from_config({KEY: settings})
+    assert read is not None  # the mapping has the key
+    return read.spec(ModelInfo.from_config(config.get_text_config(), identity))
 
 
 class VllmGenerator:
@@ -93,18 +106,23 @@ class VllmGenerator:
         max_num_seqs: int = 64,
         enforce_eager: bool = True,
         python: str | None = None,
+        rank_every: int | None = None,
     ) -> None:
         from epikv.models.loading import load_tokenizer, model_source
+        from epikv.vllm.config import KEY
 
         self.source = model_source(model)
         self.tokenizer = load_tokenizer(model)
-        self.spec = plugin_spec(self.source, policy, budget, interval, policy_params)
+        settings = plugin_config(policy, budget, interval, policy_params, rank_every)
+        self.spec = plugin_spec(self.source, settings)
         self.resolved_policy: dict[str, Any] | None = self.spec.policy.config()
         self.start_msg: dict[str, Any] = {
             "op": "start", "model": self.source, "policy": policy, "budget": budget, "interval": interval,
             "policy_params": policy_params, "dtype": dtype, "max_num_seqs": max_num_seqs,
             "enforce_eager": enforce_eager,
         }  # fmt: skip
+        if rank_every is not None:  # the worker's engine_kwargs take no rho: the plugin's config does
+            self.start_msg["options"] = {"additional_config": {KEY: settings}}
         self.max_new_tokens = max_new_tokens
         self.longest_prompt = 0
         self.python = python  # resolved when the worker starts: fit() needs no vLLM
