@@ -16,7 +16,9 @@ Owns the design and the rules; it runs nothing (``cells.py``) and computes no st
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +31,7 @@ MODEL = "qwen2.5-coder-1.5b"
 EPIKV_VARIANTS = ("epikv", "epikv-seg", "epikv-flat", "epikv-lag")
 BASELINES = ("streaming", "h2o", "tova", "snapkv", "rkv", "keydiff", "random")
 BLOCK = 32  # budgets are whole vLLM CPU blocks
+_RANKED = re.compile(r"(?P<base>[^ ]+@K\d+) rho=(?P<rho>\d+)")  # a cell ranked every rho steps
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,9 @@ class Arm:
 @dataclass(frozen=True)
 class Cell:
     """One run folder of the study. ``tag`` names a noise cell (its own subfolder); ``engine`` is
-    the eval's (``vllm-compiled``, ``vllm`` = eager, ``epikv``)."""
+    the eval's (``vllm-compiled``, ``vllm`` = eager, ``epikv``); ``rank_every`` (rho, issue 56) a
+    cell ranked every rho steps at tau = 1, named ``... rho=N`` with its own subfolder ``rhoN`` (a
+    cell without it keeps the name and folder it always had)."""
 
     arm: str
     dataset: str
@@ -63,18 +68,21 @@ class Cell:
     max_new_tokens: int
     batch_size: int
     tag: str = ""
+    rank_every: int | None = None
 
     @property
     def name(self) -> str:
         level = "full" if self.budget is None else f"K{self.budget}"
-        return f"{self.arm}/{self.policy}@{level}" + (f" [{self.tag}]" if self.tag else "")
+        rho = "" if self.rank_every is None else f" rho={self.rank_every}"
+        return f"{self.arm}/{self.policy}@{level}{rho}" + (f" [{self.tag}]" if self.tag else "")
 
     def config(self, out: str, model: str, dtype: str, progress: bool = True) -> EvalConfig:
         folder = f"{out}/noise/{self.tag}" if self.tag else out
+        folder += "" if self.rank_every is None else f"/rho{self.rank_every}"
         return EvalConfig(
             dataset=self.dataset, policy=self.policy, budget=self.budget, out=folder, model=model,
             limit=self.problems, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
-            dtype=dtype, engine=self.engine, progress=progress,
+            dtype=dtype, engine=self.engine, progress=progress, rank_every=self.rank_every,
         )  # fmt: skip
 
 
@@ -161,10 +169,17 @@ class Study:
         )  # fmt: skip
 
     def find(self, name: str) -> Cell:
+        """A cell by name; ``NAME rho=N`` is the study's cell NAME ranked every N steps (its own
+        folder), whether or not the study lists it."""
         cells = {c.name: c for c in self.cells()}
-        if name not in cells:
-            raise ValueError(f"no cell {name!r} in the study; cells: {', '.join(cells)}")
-        return cells[name]
+        if name in cells:
+            return cells[name]
+        ranked = _RANKED.fullmatch(name)
+        if ranked is not None and ranked["base"] in cells and cells[ranked["base"]].budget is not None:
+            return dataclasses.replace(cells[ranked["base"]], rank_every=int(ranked["rho"]))
+        raise ValueError(
+            f"no cell {name!r} in the study; cells: {', '.join(cells)} (each also as NAME rho=N)"
+        )
 
 
 def budgets_by_rule(totals: Sequence[int], fractions: Sequence[float] = (0.5, 0.75)) -> tuple[int, ...]:

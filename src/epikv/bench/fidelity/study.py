@@ -46,7 +46,7 @@ from epikv.bench.shared import documents, machine, model_loading, prompt_loading
 from epikv.bench.shared.parts import Parts, cell_print, fingerprint_of
 from epikv.eval.loops import LoopConfig, first_mismatch, shortest_loop_period
 from epikv.integration import build_spec
-from epikv.spec import CacheSpec, budget_for_peak
+from epikv.spec import CacheSpec, budget_for_peak, parse_rank_every
 
 __all__ = ["FidelityConfig", "_Recorder", "forced_references", "free_run", "full_traces", "teacher_force"]
 
@@ -60,7 +60,8 @@ FREE_RUN = ("none", "generated")
 class FidelityConfig:
     """Prompts x cells. ``policies`` are names or variants ``name:key=value:...`` (policy parameters,
     e.g. ``epikv-flat:band_a=9:band_b=20``); ``budgets`` give every policy the same K, ``peaks`` give
-    each policy the K whose peak K + tau is that many tokens; ``interval`` None = each policy's tau.
+    each policy the K whose peak K + tau is that many tokens; ``interval`` None = each policy's tau;
+    ``rank_every`` (rho, issue 56) runs every evicting cell at tau = 1, ranking every rho steps.
     ``prompts`` is per genre; ``max_prompt_tokens`` drops longer prompts of generated genres;
     ``parts_dir`` (the CLI sets it beside the result) keeps finished cells for a rerun."""
 
@@ -91,8 +92,10 @@ class FidelityConfig:
     threads: int | None = 1
     batch_size: int = 8
     parts_dir: str | None = None
+    rank_every: int | None = None
 
     def __post_init__(self) -> None:
+        parse_rank_every(self.rank_every, self.interval)
         if self.prompts < 1 or self.trace_tokens < 2 or not self.policies:
             raise ValueError("need prompts >= 1, trace_tokens >= 2 and some policies")
         if not self.budgets and not self.peaks:
@@ -144,14 +147,16 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 @dataclass(frozen=True)
 class Cell:
-    """One policy variant at one budget; ``label`` is the variant as given."""
+    """One policy variant at one budget (ranked every ``rank_every`` steps when set: its own cell,
+    named so); ``label`` is the variant as given."""
 
     label: str
     budget: int
+    rank_every: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.label}@{self.budget}"
+        return f"{self.label}@{self.budget}" + ("" if self.rank_every is None else f" rho={self.rank_every}")
 
 
 def plan_cells(
@@ -163,9 +168,8 @@ def plan_cells(
     plan = []
     for label in config.policies:
         name, params = parse_variant(label)
-        probe = build_spec(
-            model, name, max(config.budgets + config.peaks), interval=config.interval, params=params
-        )
+        rho, largest = config.rank_every, max(config.budgets + config.peaks)
+        probe = build_spec(model, name, largest, interval=config.interval, params=params, rank_every=rho)
         tau = probe.interval if probe.evicts else 0
         wanted = [("budget", k, k) for k in config.budgets]
         for peak in config.peaks:
@@ -174,12 +178,13 @@ def plan_cells(
             except ValueError as err:
                 plan.append({"label": label, "kind": "peak", "target": peak, "budget": None, "why": str(err)})
         for kind, target, k in wanted:
-            cell = Cell(label, k)
+            cell = Cell(label, k, probe.rank_every)  # rho only where the policy evicts
             plan.append({"label": label, "kind": kind, "target": target, "budget": k, "cell": cell.name})
             if cell.name not in specs:
                 specs[cell.name] = build_spec(
-                    model, name, k, interval=config.interval, attention=config.attention, params=params
-                )
+                    model, name, k, interval=config.interval, attention=config.attention, params=params,
+                    rank_every=rho,
+                )  # fmt: skip
     return specs, plan
 
 

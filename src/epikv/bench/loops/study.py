@@ -36,7 +36,7 @@ from epikv.eval.loops import LoopConfig, number_token_ids
 from epikv.eval.prompts import PAPER_SYSTEM_PROMPT
 from epikv.integration import build_spec
 from epikv.policies import policy_class
-from epikv.spec import CacheSpec, budget_at_peak, parse_policy_params
+from epikv.spec import CacheSpec, budget_at_peak, parse_policy_params, parse_rank_every
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ class LoopsConfig:
     problems the calibration used, 0-39, and the MATH-500 ones the fidelity study used, <= 94).
     ``policies`` are names or variants ``name:key=value``; ``peaks`` give each evicting policy
     K = peak - tau; ``sweep_policies`` also run at each of ``sweep_budgets`` (equal K).
-    ``references``: policies every cell is tested against, paired over problems. The loop detectors
+    ``references``: policies every cell is tested against, paired over problems. ``rank_every``
+    (rho, issue 56): every evicting cell at tau = 1, ranking every rho steps (peak K + 1; its cells
+    are named ``label@K rho=N``, apart from the cells without it). The loop detectors
     are the eval's, exact and near-periodic (``loop_*``: their :class:`~epikv.eval.loops.LoopConfig`).
     ``batch_size``: problems decoded together, and the problems a part keeps. ``shard`` I/N computes
     every N-th cell only; ``ray`` (an address, or ``local``) runs ``shards`` shards as Ray tasks."""
@@ -78,8 +80,10 @@ class LoopsConfig:
     shard: str | None = None
     shards: int = 1
     ray: str | None = None
+    rank_every: int | None = None
 
     def __post_init__(self) -> None:
+        parse_rank_every(self.rank_every, self.interval)
         if not self.datasets or len(self.problems) != len(self.datasets):
             raise ValueError(f"need one --problems count per dataset: {self.datasets} and {self.problems}")
         if len(self.offsets) != len(self.datasets):
@@ -136,8 +140,11 @@ def plan_cells(
     specs: dict[str, CacheSpec] = {FULL: build_spec(model, FULL)}
     plan: list[dict[str, Any]] = []
 
+    rho = config.rank_every
+    tau = 1 if rho is not None else config.interval  # what an equal peak subtracts
+
     def add(label: str, kind: str, target: int, budget: int, params: dict[str, Any]) -> None:
-        cell = f"{label}@{budget}"
+        cell = f"{label}@{budget}" + ("" if rho is None else f" rho={rho}")
         plan.append({"label": label, "kind": kind, "target": target, "budget": budget, "cell": cell})
         if cell not in specs:
             specs[cell] = build_spec(
@@ -147,6 +154,7 @@ def plan_cells(
                 interval=config.interval,
                 attention=config.attention,
                 params=params,
+                rank_every=rho,
             )
 
     for peak in config.peaks:
@@ -157,7 +165,7 @@ def plan_cells(
                 continue
             params = parse_policy_params(policy_class(name), raw)  # typed, as the eval parses them
             try:
-                add(label, "peak", peak, budget_at_peak(name, peak, config.interval, params), raw)
+                add(label, "peak", peak, budget_at_peak(name, peak, tau, params), raw)
             except ValueError as err:
                 plan.append({"label": label, "kind": "peak", "target": peak, "budget": None, "why": str(err)})
     for label in config.sweep_policies:

@@ -31,12 +31,14 @@ from typing import Any
 from epikv.bench.serve.clients import closed_loop
 from epikv.bench.serve.soak import plot_soak, run_soak, soak_arguments
 from epikv.bench.shared import documents, figures, prompt_loading
+from epikv.spec import parse_rank_every
 
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
     """Policies x concurrency levels on one model; ``pool_requests`` full-cache requests' worth of
-    slots for the capacity run (0 skips it)."""
+    slots for the capacity run (0 skips it); ``rank_every``: every server's and ``epikv generate``'s
+    ``--rank-every`` (rho, issue 56: an evicting policy at tau = 1, so its pool holds K + 1 a request)."""
 
     model: str | None = None
     policies: tuple[str, ...] = ("full", "streaming", "epikv", "h2o")
@@ -52,8 +54,10 @@ class ServeBenchConfig:
     timeout_s: float = 7200.0
     soak_s: float = 0.0  # > 0: the soak instead of the sweep (epikv.bench.serve.soak)
     soak_rows: int = 8
+    rank_every: int | None = None
 
     def __post_init__(self) -> None:
+        parse_rank_every(self.rank_every)
         if self.soak_s < 0 or self.soak_rows < 1:
             raise ValueError(f"soak_s must be >= 0 and soak_rows >= 1, got {self.soak_s}, {self.soak_rows}")
         if not self.policies or not self.concurrency or min(self.concurrency) < 1:
@@ -117,11 +121,15 @@ def start_server(
         argv += ["--kv-pool", str(kv_pool)]
     if config.threads is not None:
         argv += ["--threads", str(config.threads)]
-    argv += ["--dtype", config.dtype, *(extra or [])]
+    argv += ["--dtype", config.dtype, *_ranking(config), *(extra or [])]
     log = folder / f"server-{policy}-{port}.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(config.threads or os.cpu_count())}
     process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return Server(policy, port, process, log=log)
+
+
+def _ranking(config: ServeBenchConfig) -> list[str]:
+    return [] if config.rank_every is None else ["--rank-every", str(config.rank_every)]
 
 
 def wait_ready(servers: list[Server], timeout: float = 300.0) -> None:
@@ -208,6 +216,7 @@ def generate_speed(config: ServeBenchConfig, prompt: str) -> float:
         "--json",
         "--dtype",
         config.dtype,
+        *_ranking(config),
         prompt,
     ]
     if config.model is not None:

@@ -29,14 +29,15 @@ from epikv.bench.shared import documents, figures, machine, model_loading, promp
 from epikv.engine import Engine, Request
 from epikv.integration import build_spec
 from epikv.policies import policy_class
-from epikv.spec import budget_at_peak
+from epikv.spec import budget_at_peak, parse_rank_every
 
 DEFAULT_POLICIES = ("full", "epikv", "epikv-flat", "h2o")
 
 
 @dataclass(frozen=True)
 class SpeedConfig:
-    """One side-by-side decode-speed run; ``interval`` None = each policy's own tau."""
+    """One side-by-side decode-speed run; ``interval`` None = each policy's own tau; ``rank_every``
+    (rho, issue 56) runs every evicting policy at tau = 1, ranking every rho steps (peak K + 1)."""
 
     model: str | None = None
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -55,8 +56,10 @@ class SpeedConfig:
     bin_size: int = 64
     warmup: int = 8
     chunk: int = 16
+    rank_every: int | None = None
 
     def __post_init__(self) -> None:
+        parse_rank_every(self.rank_every, self.interval)
         if min(self.budget, self.repeats, self.bin_size, self.chunk) < 1 or self.tokens < 2:
             raise ValueError("budget, tokens (>= 2), repeats, bin_size and chunk must be positive")
         if not self.policies:
@@ -126,8 +129,11 @@ class PolicyDecode:
         interval: int | None = None,
         attention: str = "eager",
         tokens: int = 1 << 30,
+        rank_every: int | None = None,
     ) -> None:
-        spec = build_spec(model, policy, budget, interval=interval, attention=attention)
+        spec = build_spec(
+            model, policy, budget, interval=interval, attention=attention, rank_every=rank_every
+        )
         self.engine = Engine(model, spec)
         # EOS ignored; ``tokens`` is the cap, past what the caller decodes (the request never ends)
         self.request = Request(input_ids[0].tolist(), tokens)
@@ -194,10 +200,9 @@ def interleaved(
     """All ``policies`` decode side by side, taking turns every ``config.chunk`` steps (``bar``, if
     given, advances by the steps each turn decodes)."""
     reporter = reporter or documents.Reporter()
+    extra = {"tokens": config.tokens + 2, "rank_every": config.rank_every}
     runs = {
-        p: PolicyDecode(
-            model, input_ids, p, budget_of(config, p), config.interval, config.attention, config.tokens + 2
-        )
+        p: PolicyDecode(model, input_ids, p, budget_of(config, p), config.interval, config.attention, **extra)
         for p in policies
     }
     for run in runs.values():
@@ -212,10 +217,11 @@ def interleaved(
 
 
 def budget_of(config: SpeedConfig, policy: str) -> int:
-    """The policy's K: ``budget``, or at equal peak memory (``peak`` set) peak - its own tau."""
+    """The policy's K: ``budget``, or at equal peak memory (``peak`` set) peak - its own tau (1 with
+    ``rank_every``)."""
     if config.peak is None or not policy_class(policy).evicts:
         return config.budget
-    return budget_at_peak(policy, config.peak, config.interval)
+    return budget_at_peak(policy, config.peak, 1 if config.rank_every is not None else config.interval)
 
 
 def available_policies(wanted: tuple[str, ...]) -> tuple[list[str], list[str]]:
