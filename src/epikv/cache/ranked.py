@@ -9,6 +9,10 @@ token still present outside its protected tokens *now* (the prompt or sinks, and
 which has moved since the ranking), the older one on a tie (as a compaction keeps the newer). Its
 slot is freed in place and takes the row's next token: nothing moves. Unranked tokens are never
 evicted: a row whose ranking has no candidate left scores again (:meth:`RowBooks.rank_due`).
+
+This module owns the rule for both hosts: :func:`lowest_ranked` (the victim, from plain tensors),
+:func:`split_due` (who scores now) and :func:`mark_ranked` (the books of a ranking). epikv's arena
+calls them here; the vLLM plugin (:mod:`epikv.vllm.ranking`) calls them on its paged slot store.
 """
 
 from __future__ import annotations
@@ -50,7 +54,13 @@ def store_ranking(
     arena), as their ranking, made at their current pass."""
     buf = arena.buffer(RANK, scores.float())
     buf[:, rows, :, :width] = scores.float().expand(buf.shape[0], -1, buf.shape[2], -1)
-    for r in order:
+    mark_ranked(books, order)
+
+
+def mark_ranked(books: RowBooks, rows: list[int]) -> None:
+    """Rows ``rows`` scored their cache and keep the scores as their ranking, made at their current
+    pass (their tokens written after it are unranked)."""
+    for r in rows:
         books.ranked[r] = books.passes[r]
 
 
@@ -86,17 +96,40 @@ def victims(
     """(G, b, H): the slot each of ``rows`` (b,) evicts in each layer group and head (see the module
     docstring); ``prompt_len``, ``seen`` (B,) are every row's, ``budgets`` those rows'. Each row must
     hold a ranked candidate in every group and head (:meth:`RowBooks.rank_due` says when it does not)."""
-    prompt_len, seen = prompt_len[rows], seen[rows]
     rank = arena.buffers[RANK][:, rows, :, :width]  # (G, b, H, width)
-    positions = arena.positions[: rank.shape[0], rows, :, :width].long()
-    recent = torch.tensor([spec.policy.recent_window(k) for k in budgets], device=positions.device)
+    positions = arena.positions[: rank.shape[0], rows, :, :width]
+    return lowest_ranked(rank, positions, prompt_len[rows], seen[rows], recent_windows(spec, budgets), spec)
+
+
+def recent_windows(spec: CacheSpec, budgets: list[int]) -> torch.Tensor:
+    """(b,) the recent window each row protects at its budget."""
+    return torch.tensor([spec.policy.recent_window(k) for k in budgets])
+
+
+def lowest_ranked(
+    rank: torch.Tensor,
+    positions: torch.Tensor,
+    prompt_len: torch.Tensor,
+    seen: torch.Tensor,
+    recent: torch.Tensor,
+    spec: CacheSpec,
+) -> torch.Tensor:
+    """The one victim rule of both hosts: (G, b, H) the index along L of the token each row evicts in
+    each layer group and head: the lowest rank among its candidates (held, ranked, not protected now:
+    the prompt or sinks by ``spec``'s policy, and the newest ``recent``), the older one on a tie.
+
+    rank: (G, b, H, L) a ranking's raw scores, NaN where unranked; positions: (G, b, H, L) true
+    positions, negative where nothing is held (broadcastable to ``rank``); prompt_len, seen, recent:
+    (b,). Each row must hold a candidate in every group and head (:func:`split_due` sees to it)."""
+    positions = positions.long().to(rank.device)
+    policy = spec.policy
     protected = protected_slots(
         positions,
-        prompt_len,
-        seen,
-        protect_prompt=spec.policy.protect_prompt,
-        n_sink=spec.policy.n_sink,
-        recent=recent,
+        prompt_len.to(rank.device),
+        seen.to(rank.device),
+        protect_prompt=policy.protect_prompt,
+        n_sink=policy.n_sink,
+        recent=recent.to(rank.device),
     )
     candidate = (positions >= 0) & ~protected & ~rank.isnan()
     key = rank.masked_fill(~candidate, float("inf"))

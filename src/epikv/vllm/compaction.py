@@ -5,6 +5,9 @@ A request's tokens sit in its physical slots 0..held-1 in no particular order (a
 holes below the kept count with the kept tokens above it, so at most tau tokens move per layer).
 What a policy sees is ordered by true position, exactly as epikv's own cache holds it, so scores,
 ties and the kept set are the same rule on both hosts (:meth:`epikv.spec.CacheSpec.select`).
+Under ``rank_every`` (issue 56) a compaction that scores also keeps the scores as the rows' ranking
+(:class:`Ranking`, the store's buffer :data:`epikv.cache.ranked.RANK`); the steps in between are
+:mod:`epikv.vllm.ranking`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from epikv import scoring
+from epikv.cache.ranked import RANK
 from epikv.policies.base import ModelInfo
 from epikv.spec import CacheSpec
 from epikv.vllm.paged import PagedKV
@@ -102,8 +106,21 @@ class SlotStore:
         self.shards: HeadShards | None = None  # set by the runner under tensor parallelism
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """New tokens at global ``slots`` (T,) with true ``positions`` (T,)."""
+        """New tokens at global ``slots`` (T,) with true ``positions`` (T,); under ``rank_every`` they
+        are unranked (NaN) until their row's next ranking."""
         self.positions[:, :, slots] = positions.to(torch.int32)
+        rank = self.buffers.get(RANK)
+        if rank is not None:
+            rank[:, :, slots] = float("nan")
+
+    def rank_table(self) -> torch.Tensor:
+        """The rows' rankings (:data:`~epikv.cache.ranked.RANK`), (G, H, slots) float32 at the
+        store's granularity (so a per-head move moves its head's rank alone), NaN where unranked.
+        Made on first use; it is a buffer, so :meth:`copy` moves it with its slot."""
+        rank = self.buffers.get(RANK)
+        if rank is None:
+            rank = self.buffers[RANK] = torch.full_like(self.positions, float("nan"), dtype=torch.float32)
+        return rank
 
     def write_buffer(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """A policy's values (G, n, H) for the tokens at global ``slots`` (n,)."""
@@ -206,13 +223,40 @@ class PagedView:
 
 
 @dataclass(frozen=True)
+class Ranking:
+    """Scores a compaction keeps as its rows' ranking (``rank_every``): view slots (G, b, H, L),
+    the global slot of each; scores, the policy's raw scores there (broadcastable to ``slots``);
+    valid (b, L), the view slots that hold a token. Written before the compaction's moves, at the
+    slots the tokens sit in then, so the moves carry each token's rank to its new slot."""
+
+    slots: torch.Tensor
+    scores: torch.Tensor
+    valid: torch.Tensor
+
+    def row(self, i: int) -> Ranking:
+        one = slice(i, i + 1)
+        scores = self.scores if self.scores.shape[1] == 1 else self.scores[:, one]
+        return Ranking(self.slots[:, one], scores, self.valid[one])
+
+    def write(self, store: SlotStore) -> None:
+        table = store.rank_table()
+        slots = self.slots
+        g = torch.arange(slots.shape[0])[:, None, None, None].expand_as(slots)
+        h = torch.arange(slots.shape[2])[None, None, :, None].expand_as(slots)
+        held = self.valid[None, :, None, :].expand_as(slots)
+        table[g[held], h[held], slots[held]] = self.scores.float().expand_as(slots)[held]
+
+
+@dataclass(frozen=True)
 class Compaction:
     """A compaction chosen and not yet done (:func:`choose`): per moving token (P,), its source and
     destination global slots, its layer group and head (None: every one) and its row of the view;
     per row (B,), the kept count and the kept true positions of the first layer group and head (for
-    traces). Doing it (:meth:`apply`) twice does what doing it once does, since no source is a
-    destination: a copy never changes what another reads. So after a move that raised part-way, each
-    row's part can be done again by itself (:meth:`row`)."""
+    traces); ``ranking``: the scores kept as the rows' ranking (``rank_every``; None: none kept).
+    Doing it (:meth:`apply`) twice does what doing it once does, since no source is a destination: a
+    copy never changes what another reads (and the ranking is written again at the same slots before
+    the same copies). So after a move that raised part-way, each row's part can be done again by
+    itself (:meth:`row`)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -221,6 +265,7 @@ class Compaction:
     rows: torch.Tensor
     kept: list[int]
     positions: list[list[int]]
+    ranking: Ranking | None = None
 
     def row(self, i: int) -> Compaction:
         """Row ``i``'s part alone (its moving tokens; it is row 0 of the result)."""
@@ -232,13 +277,15 @@ class Compaction:
         zero = torch.zeros_like(self.rows[mine])
         return Compaction(
             self.src[mine], self.dst[mine], pick(self.groups), pick(self.heads), zero,
-            [self.kept[i]], [self.positions[i]],
+            [self.kept[i]], [self.positions[i]], None if self.ranking is None else self.ranking.row(i),
         )  # fmt: skip
 
     def apply(self, store: SlotStore) -> None:
         """Fill the holes: keys and values (this rank's heads' only, under tensor parallelism), then
         each slot's true position and policy values."""
         src, dst, groups, heads = self.src, self.dst, self.groups, self.heads
+        if self.ranking is not None:
+            self.ranking.write(store)
         layers = groups  # a group is an evicting layer, and the pages hold exactly those, in order
         if store.shards is not None and heads is not None:  # this rank moves its own heads' tokens
             mine = (heads >= store.shards.lo) & (heads < store.shards.hi)
@@ -258,9 +305,10 @@ class Compacted:
     positions: list[list[int]]
 
 
-def choose(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> Compaction:
+def choose(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView, rank: bool = False) -> Compaction:
     """Score ``view``'s rows with the policy, keep by the spec's rule, and pair each row's holes below
-    its kept count with its kept tokens above it. Writes nothing to the pool or the slot store."""
+    its kept count with its kept tokens above it; ``rank``: keep the scores as the rows' ranking
+    (``rank_every``). Writes nothing to the pool or the slot store."""
     scores = spec.policy.score(state, view)
     if store.shards is not None:
         scores = store.shards.share(scores.contiguous())
@@ -290,6 +338,7 @@ def choose(store: SlotStore, spec: CacheSpec, state: Any, view: PagedView) -> Co
         rows=movers[:, 1],  # holes and movers are both in (group, row, head, slot) order
         kept=sel.kept.tolist(),
         positions=[kept_positions[r, : int(sel.kept[r])].tolist() for r in range(b)],
+        ranking=Ranking(view.view_slots, scores, view.valid) if rank else None,
     )
 
 

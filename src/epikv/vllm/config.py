@@ -29,13 +29,17 @@ class Refused(RuntimeError):
 class EpiKVSettings:
     """policy: an epikv policy name; budget: K tokens per request (None for ``full``); interval: tau
     (None = the policy's own); params: policy hyperparameters; trace: a JSONL file the worker
-    appends each compaction's kept positions to (tests and studies; None = off)."""
+    appends each compaction's kept positions to (tests and studies; None = off); rank_every: rho
+    (:attr:`CacheSpec.rank_every`, issue 56; None = score at every eviction): with tau = 1, a request
+    scores its cache every rho steps and in between evicts its lowest-ranked token (one token moved
+    per layer group and head, :mod:`epikv.vllm.ranking`)."""
 
     policy: str = "epikv"
     budget: int | None = None
     interval: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
     trace: str | None = None
+    rank_every: int | None = None
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any] | None) -> EpiKVSettings | None:
@@ -60,11 +64,12 @@ class EpiKVSettings:
             interval=value.get("interval"),
             params=dict(params),
             trace=value.get("trace"),
+            rank_every=value.get("rank_every"),
         )
 
     def as_config(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}
-        for name in ("budget", "interval", "trace"):
+        for name in ("budget", "interval", "trace", "rank_every"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.params:
@@ -75,7 +80,12 @@ class EpiKVSettings:
         """The run spec for the served model; refuses policies that read attention rows."""
         try:
             spec = CacheSpec.build(
-                model, self.policy, self.budget, interval=self.interval, params=self.params
+                model,
+                self.policy,
+                self.budget,
+                interval=self.interval,
+                params=self.params,
+                rank_every=self.rank_every,
             )
         except ValueError as err:
             raise Refused(f"epikv: {err}") from err

@@ -4,6 +4,12 @@ a group that raises is retried row by row and only the rows that raise again fai
 failure fails another row or another group. Under tensor parallelism each scoring call runs through
 :meth:`epikv.vllm.compaction.HeadShards.together`, so every rank leaves a failing call at the same
 collective and retries the same rows.
+
+Under ``rank_every`` (issue 56) the due rows are split by the rule of epikv's engine
+(:func:`epikv.cache.ranked.split_due`): the rows that score now compact as above and keep their
+scores as their ranking; the others evict one token each from it (:mod:`epikv.vllm.ranking`), with
+the same retries, faults, verdicts and counting (no policy call: every rank holds the same ranking
+and picks the same victims).
 """
 
 from __future__ import annotations
@@ -12,13 +18,16 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import IO, Any, Protocol
 
 import torch
 
+from epikv.cache import ranked
 from epikv.policies.rows import on_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import Compaction, PagedView, SlotStore, choose
+from epikv.vllm.ranking import choose_in_place
 from epikv.vllm.requests import Requests
 
 log = logging.getLogger("epikv.vllm.step")
@@ -54,25 +63,33 @@ class RowCompactions:
         raised. Rows of each budget are scored in one call, so a policy always sees one K (as in
         epikv's cache)."""
         failed: dict[int, Exception] = {}
-        budgets = books.budgets
-        for k in sorted({budgets[r] for r in rows}):
-            group = [r for r in rows if budgets[r] == k]
-            state = self._compact_group(_Pass(store, block, batch, ids, books), state, group, k, failed)
+        budgets, at = books.budgets, _Pass(store, block, batch, ids, books)
+        scoring, in_place = ranked.split_due(self.spec, books, rows)
+        for k in sorted({budgets[r] for r in scoring}):
+            group = [r for r in scoring if budgets[r] == k]
+            state = self._compact_group(at, state, group, failed, partial(self._choose, at, budget=k))
+        if in_place:  # no policy call: every rank picks the same victims from the same ranking
+            state = self._compact_group(at, state, in_place, failed, partial(self._in_place, at))
         return state, failed
 
     def _compact_group(
-        self, at: _Pass, state: Any, rows: list[int], budget: int, failed: dict[int, Exception]
+        self,
+        at: _Pass,
+        state: Any,
+        rows: list[int],
+        failed: dict[int, Exception],
+        chooser: Callable[[list[int], Any], tuple[Compaction, Any]],
     ) -> Any:
-        """Choose the group's compaction in one call, or each row's alone if that call raises (a row
-        that raises alone fails), then do them."""
+        """Choose the group's compaction in one call (``chooser(rows, state)``), or each row's alone
+        if that call raises (a row that raises alone fails), then do them."""
         chosen: list[tuple[list[int], Compaction]] = []
         try:
-            done, state = _together(at.store, lambda: self._choose(at, state, rows, budget))
+            done, state = _together(at.store, lambda: chooser(rows, state))
             chosen.append((rows, done))
         except Exception as err:
             for r in _alone(at.ids, rows, err, failed):
                 try:
-                    done, state = _together(at.store, lambda: self._choose(at, state, [r], budget))  # noqa: B023
+                    done, state = _together(at.store, lambda: chooser([r], state))  # noqa: B023
                     chosen.append(([r], done))
                 except Exception as again:
                     log.exception("epikv: compaction of request %s failed alone too", at.ids[r])
@@ -81,27 +98,32 @@ class RowCompactions:
             self._apply(at, group, done, failed)
         return state
 
-    def _choose(self, at: _Pass, state: Any, rows: list[int], budget: int) -> tuple[Compaction, Any]:
-        """Score and select rows ``rows`` (one budget) in one call; nothing is written yet."""
-        batch, ids, books, store = at.batch, at.ids, at.books, at.store
-        assert batch.blocks is not None
+    def _choose(self, at: _Pass, rows: list[int], state: Any, budget: int) -> tuple[Compaction, Any]:
+        """Score and select rows ``rows`` (one budget) in one call; nothing is written yet. Under
+        ``rank_every`` the scores are kept as the rows' ranking."""
+        books, store = at.books, at.store
         held = [books.held[r] for r in rows]
-        width, block = max(held), at.block
-        slot_rows = []
-        for r in rows:
-            blocks = torch.tensor(list(batch.blocks(ids[r])), dtype=torch.long)
-            row = (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:width]
-            slot_rows.append(torch.cat([row, row[:1].expand(width - row.shape[0])]))
-        view = PagedView(
-            store,
-            torch.stack(slot_rows),
+        slots = _slot_rows(at, rows, max(held))
+        view = PagedView(store, slots, torch.tensor(held), books.prompt_len[rows], books.seen[rows], budget)
+        spec, rank = self.spec, self.spec.rank_every is not None
+        return on_rows(state, rows, len(books), lambda part: choose(store, spec, part, view, rank))
+
+    def _in_place(self, at: _Pass, rows: list[int], state: Any) -> tuple[Compaction, Any]:
+        """Rows ``rows`` (``rank_every``) each evict one token from their ranking; nothing is written
+        yet, and the policy's state is not read."""
+        books = at.books
+        held = [books.held[r] for r in rows]
+        done = choose_in_place(
+            at.store,
+            self.spec,
+            _slot_rows(at, rows, max(held)),
             torch.tensor(held),
             books.prompt_len[rows],
             books.seen[rows],
-            budget,
+            [books.budgets[r] for r in rows],
+            trace=self.trace is not None,
         )
-        spec = self.spec
-        return on_rows(state, rows, len(books), lambda part: choose(store, spec, part, view))
+        return done, state
 
     def _apply(self, at: _Pass, rows: list[int], done: Compaction, failed: dict[int, Exception]) -> None:
         """Do a chosen compaction of ``rows``; if it raises, do each row's part again alone (doing a
@@ -122,6 +144,8 @@ class RowCompactions:
             if r in failed:
                 continue
             books.compacted([r], [done.kept[i]])
+            if done.ranking is not None:
+                ranked.mark_ranked(books, [r])
             self.requests.dropped[ids[r]] = int(books.evicted[r])
             if self.trace is not None:
                 try:
@@ -143,6 +167,19 @@ class _Pass:
     batch: StepBatch
     ids: list[str]
     books: Any
+
+
+def _slot_rows(at: _Pass, rows: list[int], width: int) -> torch.Tensor:
+    """(b, width) the global slots of each of ``rows``' physical slots 0..width-1 (a row whose blocks
+    hold fewer repeats its first slot: past its ``held``, never read as a token)."""
+    batch, block = at.batch, at.block
+    assert batch.blocks is not None
+    out = []
+    for r in rows:
+        blocks = torch.tensor(list(batch.blocks(at.ids[r])), dtype=torch.long)
+        row = (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:width]
+        out.append(torch.cat([row, row[:1].expand(width - row.shape[0])]))
+    return torch.stack(out)
 
 
 def _together(store: SlotStore, call: Any) -> Any:
