@@ -4,6 +4,7 @@ another rho is refused, as any other result-affecting change is."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from epikv.eval.config import EvalConfig, differing_fields, saved_form
 from epikv.eval.generator import generator_factory
 from epikv.eval.prompts import build_messages
 from epikv.eval.records import load_run_results
+from epikv.eval.vllm_generator import plugin_config
 from epikv.integration import build_spec
 from epikv.models import tiny_model
 
@@ -130,8 +132,6 @@ def test_equal_peak_with_rank_every_is_k_plus_one_and_full_takes_no_rho(dataset,
 
 
 def test_every_engine_is_asked_with_rho_and_the_plugin_is_handed_it() -> None:
-    from epikv.eval.vllm_generator import plugin_config
-
     asked: list[dict[str, Any]] = []
     engine = lambda *args, **kwargs: asked.append(kwargs)  # noqa: E731
     generator_factory(engine, EvalConfig("gsm8k", "lagkv", 48, rank_every=8))("lagkv", 48)
@@ -139,3 +139,23 @@ def test_every_engine_is_asked_with_rho_and_the_plugin_is_handed_it() -> None:
     assert asked == [{"rank_every": 8}, {}]
     assert plugin_config("lagkv", 48, None, {}, 8) == {"policy": "lagkv", "budget": 48, "rank_every": 8}
     assert plugin_config("lagkv", 48, None, {}) == {"policy": "lagkv", "budget": 48}
+
+
+def test_the_vllm_worker_is_started_with_rho_in_the_plugins_config() -> None:
+    """The caller's side of ``--engine vllm``: the spec the plugin resolves from the settings it is
+    handed equals epikv's own, and rho travels in ``additional_config['epikv']`` (the runs
+    themselves: tests/vllm)."""
+    from epikv.eval.generator import engine_for_model
+    from epikv.eval.vllm_generator import VllmGenerator
+    from epikv.vllm.config import EpiKVSettings
+
+    if "rank_every" not in {f.name for f in dataclasses.fields(EpiKVSettings)}:
+        pytest.skip("the plugin's settings take no rank_every yet (issue 56, the plugin's part)")
+    mine = VllmGenerator(None, "keydiff", 100, None, {}, dtype="float32", max_new_tokens=64, rank_every=8)
+    theirs = engine_for_model(None)("keydiff", 100, None, {}, rank_every=8)
+    assert mine.spec.config() == theirs.spec.config() and mine.spec.rank_every == 8
+    assert mine.start_msg["options"] == {
+        "additional_config": {"epikv": plugin_config("keydiff", 100, None, {}, 8)}
+    }
+    plain = VllmGenerator(None, "keydiff", 100, None, {}, dtype="float32", max_new_tokens=64)
+    assert "options" not in plain.start_msg and plain.spec.rank_every is None
