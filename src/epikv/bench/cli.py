@@ -22,7 +22,7 @@ from epikv.bench.shared import documents
 from epikv.outputs import check_output_dir, check_output_file
 from epikv.spec import RANK_EVERY_HELP
 
-KINDS = ("memory", "speed", "step", "fidelity", "loops", "capacity", "peer", "serve")
+KINDS = ("memory", "speed", "step", "fidelity", "loops", "capacity", "peer", "serve", "goodput")
 # One line each for `epikv bench --help` (the run functions' docstrings are written for readers of code).
 KIND_HELP = {
     "memory": "peak memory of one forward: eager vs SDPA vs EpiKV's capture",
@@ -33,6 +33,7 @@ KIND_HELP = {
     "capacity": "requests that fit in GPU memory per context (no model runs)",
     "peer": "side by side with NVIDIA kvpress: speed, memory, kept set",
     "serve": "epikv serve under concurrent clients: throughput, latency",
+    "goodput": "correct answers per minute from a fixed KV pool, through vLLM",
 }
 
 
@@ -129,7 +130,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     ),
     "--soak-rows": ("soak_rows", int, "serve soak: requests the server runs at once (--max-batch)"),
 }
-_SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat"}
+_SWITCHES = {"--stop-at-eos": "stop_at_eos", "--no-chat": "chat", "--eager": "eager"}
 
 
 def _kind(kind: str) -> tuple[Any, Any, Callable[..., dict], Callable[..., Path]]:
