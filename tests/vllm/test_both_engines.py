@@ -33,9 +33,26 @@ def test_vllms_transformers_is_the_one_vllm_pins():
     assert metadata.version("transformers") in epikv_wants.specifier
 
 
-def test_both_engines_in_one_process_give_the_same_greedy_tokens():
+@pytest.mark.parametrize(
+    ("policy", "budget", "params", "rank_every", "new_tokens"),
+    [
+        ("full", None, {}, None, NEW_TOKENS),
+        # issue 56: a ranking every 4 steps, one token evicted per step and KV head in between (a 40-token
+        # prompt kept whole, 16 new tokens before the first eviction, then 31 evictions: 8 rankings)
+        ("random-head", 56, {"recent": 4}, 4, 48),
+    ],
+    ids=["full", "random-head-rank-every-4"],
+)
+def test_both_engines_in_one_process_give_the_same_greedy_tokens(
+    policy, budget, params, rank_every, new_tokens, tmp_path
+):
+    """The same tokens from both engines; under an evicting policy the plugin also keeps, after
+    every eviction, the set epikv's engine keeps (first layer and KV head), and holds K + 1 at most."""
+    import json
+
     import torch
 
+    import epikv.vllm
     from epikv.engine import Engine, Request
     from epikv.integration import build_spec
     from epikv.models import load_model
@@ -44,22 +61,39 @@ def test_both_engines_in_one_process_give_the_same_greedy_tokens():
     model, tokenizer = load_model(dtype=torch.float32)
     chat = [{"role": "user", "content": "What is 7 * 8? Explain."}]
     ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
-    engine = Engine(model, build_spec(model, "full", None))
-    engine.submit(Request(ids, max_new_tokens=NEW_TOKENS))
+    engine = Engine(model, build_spec(model, policy, budget, params=params, rank_every=rank_every))
+    kept: list[list[int]] = []
+
+    def on_compaction(index, positions):
+        row = positions[0, 0]
+        kept.append(sorted(int(p) for p in row[row >= 0]))
+
+    engine.submit(Request(ids, max_new_tokens=new_tokens, on_compaction=on_compaction))
     ours = next(done for _ in iter(engine.has_work, False) for done in engine.step()).token_ids
 
+    trace = tmp_path / "kept.jsonl"
+    plugin: dict = {}
+    if budget is not None:
+        plugin = epikv.vllm.engine_kwargs(policy, budget, **params, trace=str(trace))
+        plugin["additional_config"]["epikv"]["rank_every"] = rank_every
     llm = vllm.LLM(
         str(embedded_cache_folder()),
         dtype="float32",
         enforce_eager=True,
         max_model_len=1024,
         kv_cache_memory_bytes=1 << 27,
+        **plugin,
     )
-    greedy = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    greedy = vllm.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     try:
-        theirs = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids)], greedy)[0].outputs[0].token_ids
+        out = llm.generate([vllm.TokensPrompt(prompt_token_ids=ids)], greedy)[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    assert list(ours) == list(theirs)
+    assert list(ours) == list(out.outputs[0].token_ids)
+    if budget is not None:
+        theirs = [json.loads(line)["kept"] for line in trace.read_text().splitlines()]
+        evictions = len(ids) + new_tokens - 1 - budget
+        assert len(kept) == evictions and theirs == kept
+        assert out.kv_transfer_params["epikv"]["peak_cache_tokens"] == budget + 1
