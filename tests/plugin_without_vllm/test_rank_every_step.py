@@ -8,13 +8,16 @@ tau = 1 exactly; the cache never holds more than K + 1 tokens; no prompt slot is
 
 from __future__ import annotations
 
+import functools
 import itertools
+import pickle
 import re
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from epikv.policies.base import ModelInfo
 from epikv.policies.registry import policy_class
@@ -218,3 +221,33 @@ def test_rank_every_round_trips_through_the_config():
     assert settings.rank_every == 8 and settings.as_config()["rank_every"] == 8
     spec = settings.spec(MODEL)
     assert (spec.rank_every, spec.interval, spec.cap_tokens(10), spec.peak_tokens(10, 500)) == (8, 1, 65, 65)
+
+
+# -- tensor parallelism: two ranks (one KV head each) hold what one process holds --------------------
+def ranking_rank_main(rank: int, port: int, policy: str, fault: str, out: str) -> None:
+    """``test_step_tp``'s rank under ``rank_every`` = 4 (its driver's settings, with rho added)."""
+    from tests.plugin_without_vllm import test_step_faults, test_step_tp
+
+    test_step_faults.EpiKVSettings = functools.partial(EpiKVSettings, rank_every=4)
+    test_step_tp.rank_main(rank, port, policy, fault, out)
+
+
+@pytest.mark.parametrize(("fault", "failed"), [("none", []), ("move", ["b"])])
+def test_two_ranks_evict_the_same_tokens_in_place(tmp_path, monkeypatch, fault, failed):
+    """keydiff (one set per layer and head) at rho = 4: each rank moves its own head's tokens, both
+    pick the same victims from the first rank's ranking; a move that fails on rank 1 alone (b's
+    slots) fails b on both ranks, and the others hold what one process holds."""
+    from tests.plugin_without_vllm import test_step_faults, test_step_tp
+
+    monkeypatch.setattr(test_step_faults, "EpiKVSettings", functools.partial(EpiKVSettings, rank_every=4))
+    ref = test_step_faults.run("keydiff", tmp_path / "ref.jsonl")
+    assert ref["faults"] == {} and all(ref["report"][r][1] > 0 for r in test_step_faults.PROMPTS)
+    (tmp_path / "tp").mkdir()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    port = test_step_tp.free_port()
+    mp.spawn(ranking_rank_main, args=(port, "keydiff", fault, str(tmp_path / "tp")), nprocs=2, join=True)
+    for rank in range(2):
+        got = pickle.loads((tmp_path / "tp" / f"rank{rank}.pkl").read_bytes())
+        assert sorted(got["faults"]) == failed, rank
+        live = [r for r in test_step_faults.PROMPTS if r not in failed]
+        test_step_tp.same_as_reference(got, ref, rank, live)
