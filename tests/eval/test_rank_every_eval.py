@@ -149,8 +149,7 @@ def test_the_vllm_worker_is_started_with_rho_in_the_plugins_config() -> None:
     from epikv.eval.vllm_generator import VllmGenerator
     from epikv.vllm.config import EpiKVSettings
 
-    if "rank_every" not in {f.name for f in dataclasses.fields(EpiKVSettings)}:
-        pytest.skip("the plugin's settings take no rank_every yet (issue 56, the plugin's part)")
+    assert "rank_every" in {f.name for f in dataclasses.fields(EpiKVSettings)}
     mine = VllmGenerator(None, "keydiff", 100, None, {}, dtype="float32", max_new_tokens=64, rank_every=8)
     theirs = engine_for_model(None)("keydiff", 100, None, {}, rank_every=8)
     assert mine.spec.config() == theirs.spec.config() and mine.spec.rank_every == 8
