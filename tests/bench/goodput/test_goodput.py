@@ -101,6 +101,7 @@ def test_a_cells_row_is_graded_and_timed_as_computed_by_hand(tmp_path):
         # full: prompt + generated = 110, 150, 120, 160
         "mean_cache_per_request": 135.0, "max_cache_per_request": 160,
         "generated_tokens": 100, "tokens_per_s": 100 / 30.0, "cap_hits": 1, "errors": 0, "steps": 50,
+        "max_new_tokens": 128, "vllm": None,
     }  # fmt: skip
     assert keydiff["policy"] == "keydiff" and keydiff["budget"] == 96 and keydiff["interval"] == 1
     assert (keydiff["mean_cache_per_request"], keydiff["max_cache_per_request"]) == (65.5, 67)  # peaks 64..67

@@ -84,9 +84,10 @@ class GoodputConfig:
         object.__setattr__(self, "rank_every", parse_rank_every(self.rank_every, self.interval))
 
 
-# A few minutes on 2 cores: 8 GSM8K problems, short answers, eager, `full` against one policy.
+# A few minutes on 2 cores: 8 GSM8K problems, short answers, eager, `full` against one policy at a K
+# that holds every prompt of the 8 with KeyDiff's window (the longest, 141 tokens, + 48).
 QUICK = GoodputConfig(
-    problems=(8,), max_new_tokens=128, policies=("full", "keydiff"), budgets=(96,), eager=True
+    problems=(8,), max_new_tokens=256, policies=("full", "keydiff"), budgets=(192,), eager=True
 )
 
 
@@ -195,7 +196,8 @@ def run_cell(
     )
     completions = list(generator(prompts, sampling))
     row = grade_cell(task, cell, completions, generator.stats, pool)
-    return {**row, "interval": generator.spec.interval if cell.budget is not None else None}
+    row["interval"] = generator.spec.interval if cell.budget is not None else None
+    return {**row, "vllm": (getattr(generator, "started", None) or {}).get("vllm")}
 
 
 def run_goodput(
@@ -233,7 +235,7 @@ def run_goodput(
                     parts.put(0, name, key, stored, time.perf_counter() - started)
                 else:
                     reporter.uses(stored["spec"])
-                rows.append({"dataset": dataset, **stored["row"]})
+                rows.append({"dataset": dataset, "max_new_tokens": cap, **stored["row"]})
                 bar.update(1)
     return documents.make_document("goodput", config, {"rows": rows}, specs=reporter.specs)
 
