@@ -175,17 +175,21 @@ def make_generator(
     policy_params: dict[str, Any] | None = None,
     *,
     dtype: str = "float32",
+    rank_every: int | None = None,
 ) -> ChatGenerator:
-    """A :class:`ChatGenerator` for the named model, policy and budget. The model is loaded once per
-    process and shared by every generator made for it; the spec is resolved here, once, so a profile
-    written while a run goes on cannot change its bands midway."""
+    """A :class:`ChatGenerator` for the named model, policy and budget (``rank_every``: rho, see
+    :attr:`epikv.spec.CacheSpec.rank_every`). The model is loaded once per process and shared by every
+    generator made for it; the spec is resolved here, once, so a profile written while a run goes on
+    cannot change its bands midway."""
     from epikv.models import load_model
 
     model, tokenizer = _loaded(
         (model_name, dtype), lambda: load_model(model_name, dtype=getattr(torch, dtype))
     )
     return ChatGenerator(
-        model, tokenizer, build_spec(model, policy, budget, interval=interval, params=policy_params)
+        model,
+        tokenizer,
+        build_spec(model, policy, budget, interval=interval, params=policy_params, rank_every=rank_every),
     )
 
 

@@ -251,3 +251,14 @@ def test_two_ranks_evict_the_same_tokens_in_place(tmp_path, monkeypatch, fault, 
         assert sorted(got["faults"]) == failed, rank
         live = [r for r in test_step_faults.PROMPTS if r not in failed]
         test_step_tp.same_as_reference(got, ref, rank, live)
+
+
+def test_engine_kwargs_carry_rho_to_the_plugins_settings() -> None:
+    """``epikv.vllm.engine_kwargs(..., rank_every=N)`` puts rho in the additional config, which the
+    plugin's settings read back into its spec (not a policy parameter)."""
+    import epikv.vllm
+
+    config = epikv.vllm.engine_kwargs("keydiff", 64, rank_every=4)["additional_config"]
+    assert config["epikv"] == {"policy": "keydiff", "budget": 64, "rank_every": 4}
+    assert "rank_every" not in epikv.vllm.engine_kwargs("keydiff", 64)["additional_config"]["epikv"]
+    assert epikv.vllm.EpiKVSettings.from_config(config).rank_every == 4

@@ -74,8 +74,7 @@ def test_both_engines_in_one_process_give_the_same_greedy_tokens(
     trace = tmp_path / "kept.jsonl"
     plugin: dict = {}
     if budget is not None:
-        plugin = epikv.vllm.engine_kwargs(policy, budget, **params, trace=str(trace))
-        plugin["additional_config"]["epikv"]["rank_every"] = rank_every
+        plugin = epikv.vllm.engine_kwargs(policy, budget, rank_every=rank_every, **params, trace=str(trace))
     llm = vllm.LLM(
         str(embedded_cache_folder()),
         dtype="float32",

@@ -70,18 +70,12 @@ def _epikv_generator(
     dtype: str = "float32",
     rank_every: int | None = None,
 ) -> Generator:
-    """:func:`~epikv.generation.make_generator`, and with ``rank_every`` its model and tokenizer under
-    the spec built with rho (make_generator takes no rho; its own spec is only resolved, never run)."""
-    from epikv.generation import ChatGenerator, make_generator
-    from epikv.integration import build_spec
+    """:func:`~epikv.generation.make_generator`, imported here."""
+    from epikv.generation import make_generator
 
-    made = make_generator(model_name, policy, budget, interval, policy_params, dtype=dtype)
-    if rank_every is None:
-        return made
-    spec = build_spec(
-        made.model, policy, budget, interval=interval, params=policy_params, rank_every=rank_every
+    return make_generator(
+        model_name, policy, budget, interval, policy_params, dtype=dtype, rank_every=rank_every
     )
-    return ChatGenerator(made.model, made.tokenizer, spec)
 
 
 def engine_for_config(config: EvalConfig) -> EngineFactory:

@@ -20,18 +20,23 @@ __all__ = ["KEY", "SCHEDULER", "WORKER", "EpiKVSettings", "engine_kwargs", "vllm
 
 
 def engine_kwargs(
-    policy: str = "epikv", budget: int | None = None, interval: int | None = None, **params: Any
+    policy: str = "epikv",
+    budget: int | None = None,
+    interval: int | None = None,
+    rank_every: int | None = None,
+    **params: Any,
 ) -> dict[str, Any]:
     """Everything ``vllm.LLM`` / ``EngineArgs`` need to run ``policy`` at budget K = ``budget``:
     the additional config, the plugin's worker and scheduler classes, and prefix caching off for a
     policy that may evict prompt tokens (vLLM's default, on, for one that protects the prompt).
-    ``params`` are policy hyperparameters (``trace=PATH`` writes each compaction's kept positions).
+    ``rank_every``: rho (:attr:`epikv.spec.CacheSpec.rank_every`, docs/vllm.md); ``params`` are policy
+    hyperparameters (``trace=PATH`` writes each compaction's kept positions).
     The caller's own keyword arguments (dtype, kv_cache_memory_bytes, enforce_eager, ...) go beside."""
     from epikv.policies import policy_class
     from epikv.spec import parse_policy_params
 
     trace = params.pop("trace", None)
-    settings = EpiKVSettings(policy, budget, interval, dict(params), trace)
+    settings = EpiKVSettings(policy, budget, interval, dict(params), trace, rank_every=rank_every)
     out: dict[str, Any] = {
         "additional_config": {KEY: settings.as_config()},
         "worker_cls": WORKER,
