@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from epikv.bench.accuracy.cli import add_accuracy_parser
+from epikv.bench.accuracy.frontier_cli import add_frontier_parser
 from epikv.bench.shared import documents
 from epikv.outputs import check_output_dir, check_output_file
 from epikv.spec import RANK_EVERY_HELP
@@ -183,6 +184,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     regrade.add_argument("--parts-dir", default=None, help="their parts (default: the folder each records)")
     regrade.set_defaults(func=cmd_regrade)
     add_accuracy_parser(kinds)
+    add_frontier_parser(kinds)
 
 
 def build_config(kind: str, args: argparse.Namespace) -> Any:
