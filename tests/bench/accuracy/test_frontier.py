@@ -77,3 +77,19 @@ def test_run_refuses_a_reused_cell_and_an_unknown_one() -> None:
         cmd_run(args)
     with pytest.raises(ValueError, match="no cell 'gsm8k/h2o@K319 rho=4'"):
         Frontier().find("gsm8k/h2o@K319 rho=4")
+
+
+def test_summarize_reads_the_reused_cells_beside_full_before_any_new_cell_runs(tmp_path: Path) -> None:
+    from epikv.bench.accuracy.frontier_cli import summarize
+
+    args = argparse.Namespace(out=str(tmp_path), study=str(ROOT / "results/accuracy"))
+    result = summarize(Frontier(), args)
+    peak = result["levels"]["320"]
+    assert peak["cells"] == ["gsm8k/keydiff@K319", "gsm8k/epikv@K192"] and peak["n"] > 256
+    assert set(peak["accuracy"]) == {"gsm8k/full@full", *peak["cells"]}
+    assert peak["target_pairs"] == [
+        ("gsm8k/epikv@K319 rho=32", "gsm8k/keydiff@K319"),
+        ("gsm8k/epikv@K319 rho=128", "gsm8k/keydiff@K319"),
+        ("gsm8k/epikv@K192", "gsm8k/keydiff@K319"),
+    ]
+    assert peak["extend"] == [] and peak["costs"]["gsm8k/epikv@K319 rho=32"]["done"] == 0
