@@ -12,8 +12,10 @@ vLLM): how many ran at once, preemptions, and whether all finished. ``chat``: sh
 prompts, ``--chat-tokens`` new tokens each) in a fixed pool of ``--chat-blocks`` blocks: how many ran
 at once under each engine. ``--modes`` runs each job in eager mode, vLLM's default compiled mode, or
 both. ``--compare-src OTHER/src`` runs the plugin a second time from another checkout in the same
-throughput run (before/after a change, side by side). Every record carries the CPU model, its
-vector flags and the load average; compare only ratios from one run.
+throughput run (before/after a change, side by side); ``--rank-every N`` runs the policy a second
+time at tau = 1 ranked every N steps (issue 56: rho against the policy's own tau, side by side).
+Every record carries the CPU model, its vector flags and the load average; compare only ratios from
+one run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT.parent / "shared" / "peers" / "vllm" / "prompts16.jsonl"
 BLOCK = 32
+RANKED = "rank_every"  # throughput: the policy ranked every --rank-every steps, beside its own tau
 
 
 def cpu_model() -> str:
@@ -74,7 +77,8 @@ def child(job: dict) -> dict:
     for text in texts:
         x = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         ids.append([int(i) for i in (x["input_ids"] if hasattr(x, "keys") else x)][: job.get("prompt_cut")])
-    extra = epikv.vllm.engine_kwargs(job["policy"], job.get("budget")) if job["policy"] != "plain" else {}
+    plugin = (job["policy"], job.get("budget"), job.get("interval"), job.get("rank_every"))
+    extra = epikv.vllm.engine_kwargs(*plugin) if job["policy"] != "plain" else {}
     options = {"enable_prefix_caching": False, **extra}
     if job.get("blocks"):
         options["kv_cache_memory_bytes"] = job["blocks"] * BLOCK * job["token_bytes"]
@@ -170,6 +174,15 @@ def main() -> None:
         default=None,
         help="throughput: also run the plugin from this src folder (another checkout: before/after)",
     )
+    parser.add_argument(
+        "--interval", type=int, default=None, help="tau of the plugin's runs (default: the policy's)"
+    )
+    parser.add_argument(
+        "--rank-every",
+        type=int,
+        default=None,
+        help="throughput: also the policy at tau = 1 ranked every N steps (issue 56), in the same run",
+    )
     parser.add_argument("--out", required=False)
     args = parser.parse_args()
     if args.kind == "child":
@@ -193,9 +206,13 @@ def main() -> None:
                 engines = [] if args.skip_plain else [("plain", None)]
                 engines += [(args.policy, None)]
                 engines += [(args.policy, args.compare_src)] if args.compare_src else []
+                engines += [(args.policy, RANKED)] if args.rank_every else []
                 for policy, src in engines:  # alternating, same layout
+                    ranked = src is RANKED
                     job = {
-                        "src": src,
+                        "src": None if ranked else src,
+                        "interval": 1 if ranked else args.interval,
+                        "rank_every": args.rank_every if ranked else None,
                         **base,
                         "mode": mode,
                         "policy": policy,
