@@ -253,11 +253,16 @@ def plot_goodput(json_path: str | Path, png: str | Path | None = None) -> Path:
     rows = document["results"]["rows"]
     several = len({row["dataset"] for row in rows}) > 1
     figure, (axes,) = figures.new_figure()
+    seen: dict[tuple[float, float], int] = {}  # labels of cells at one point stacked, not overprinted
     for row in rows:
         x, y = row["correct_per_min"] or 0.0, row["accuracy"]
         axes.scatter([x], [y], color="black" if row["policy"] == FULL else "tab:blue", zorder=3)
         label = _label(row) + (f" ({row['dataset']})" if several else "")
-        axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        above = seen.get((x, y), 0)
+        seen[(x, y)] = above + 1
+        axes.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4 + 11 * above), fontsize=8)
+    axes.set_xlim(left=0.0)
+    axes.set_ylim(-0.03, 1.03)
     pools = sorted({row["pool_tokens"] for row in rows})
     axes.set_xlabel("correct answers per minute")
     axes.set_ylabel("accuracy")
