@@ -56,26 +56,14 @@ EngineFactory = Callable[..., Generator]
 
 def engine_for_model(model_name: str | None, dtype: str = "float32") -> EngineFactory:
     """The engine's :func:`~epikv.generation.make_generator` with the model (in ``dtype``) bound
-    (imported here, so that argument parsing, reports and tests never load a model)."""
-    return partial(_epikv_generator, model_name, dtype=dtype)
+    (imported when called, so that argument parsing, reports and tests never load a model)."""
 
+    def make(*args: Any, **kwargs: Any) -> Generator:
+        from epikv.generation import make_generator
 
-def _epikv_generator(
-    model_name: str | None,
-    policy: str,
-    budget: int | None,
-    interval: int | None = None,
-    policy_params: dict[str, Any] | None = None,
-    *,
-    dtype: str = "float32",
-    rank_every: int | None = None,
-) -> Generator:
-    """:func:`~epikv.generation.make_generator`, imported here."""
-    from epikv.generation import make_generator
+        return make_generator(model_name, *args, dtype=dtype, **kwargs)
 
-    return make_generator(
-        model_name, policy, budget, interval, policy_params, dtype=dtype, rank_every=rank_every
-    )
+    return make
 
 
 def engine_for_config(config: EvalConfig) -> EngineFactory:
