@@ -44,9 +44,15 @@ def reference(*args: str) -> dict[str, Any]:
 
 
 def reference_run(
-    policy: str, budget: int | None, prompts: list[list[int]], max_tokens: int, model: str | None = None
+    policy: str,
+    budget: int | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    model: str | None = None,
+    interval: int | None = None,
 ) -> dict[str, Any]:
     job = {"policy": policy, "budget": budget, "prompts": prompts, "max_tokens": max_tokens, "model": model}
+    job["interval"] = interval
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:

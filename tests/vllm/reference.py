@@ -49,7 +49,7 @@ def run(spec_path: str) -> dict:
     else:
         model, _ = load_model()
     model = model.float()
-    spec = build_spec(model, job["policy"], job.get("budget"))
+    spec = build_spec(model, job["policy"], job.get("budget"), interval=job.get("interval"))
     engine = Engine(model, spec)
     traces: list[list[list[int]]] = [[] for _ in job["prompts"]]
     requests = []

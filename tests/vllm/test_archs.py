@@ -141,11 +141,11 @@ def test_seg_q_keeps_exactly_epikvs_sets_and_tokens(kind, tiny, tmp_path):
     prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 30)]
     trace = tmp_path / "kept.jsonl"
     impl = {"model_impl": "transformers"} if kind in NO_QUERIES else {}
-    llm = _llm(folder, **impl, **epikv.vllm.engine_kwargs("epikv", 40, trace=str(trace)))
-    out = generate(llm, prompts, 300)  # tau = 128: compactions at 168 and 296 tokens held
+    llm = _llm(folder, **impl, **epikv.vllm.engine_kwargs("epikv", 40, interval=32, trace=str(trace)))
+    out = generate(llm, prompts, 96)  # tau = 32: two compactions or more per request
     close(llm)
-    ref = reference_run("epikv", 40, prompts, 300, model=folder)
+    ref = reference_run("epikv", 40, prompts, 96, model=folder, interval=32)
     ours = kept_sets(trace, out)
-    assert [len(sets) for sets in ours] == [2, 2, 2]
+    assert min(len(sets) for sets in ours) >= 2
     assert ours == ref["kept"]
     assert tokens(out) == ref["tokens"]

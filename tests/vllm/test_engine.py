@@ -20,7 +20,8 @@ from tests.vllm.engines import (
     worker_state,
 )
 
-N = 128  # new tokens per request
+N = 64  # new tokens per request
+LONG = 128  # under Seg-Q at K = 96, tau = 16: past K + tau, so every request evicts
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(embedded, monkeypa
         ),
         decoder.self_attn.attn.register_forward_pre_hook(lambda m, args: seen.update(q=args[0])),
     ]
-    out = generate(llm, embedded["prompts"], N)
+    out = generate(llm, embedded["prompts"], LONG)
     for hook in hooks:
         hook.remove()
     mine = state.store.project_queries(layer, seen["h"][None].float(), seen["pos"][None])[0]  # (Hq, T, D)
@@ -157,13 +158,13 @@ def a_fault_fails_its_request_alone(llm, prompts, solo, monkeypatch):
         return score(self, state, view)
 
     monkeypatch.setattr(policy, "score", broken)
-    out = generate(llm, prompts, N)
+    out = generate(llm, prompts, LONG)
     monkeypatch.undo()
     assert [o.outputs[0].finish_reason for o in out] == ["length", "error", "length", "length"]
     line = out[1].kv_transfer_params["epikv"]["error"]
     assert line.endswith("compaction failed: RuntimeError: a fault for the test")
     assert [tokens(out)[i] for i in (0, 2, 3)] == [solo[i] for i in (0, 2, 3)]
-    assert tokens(generate(llm, [prompts[1]], N)) == [solo[1]]
+    assert tokens(generate(llm, [prompts[1]], LONG)) == [solo[1]]
 
 
 def test_a_pool_for_one_full_request_runs_many_bounded_ones_without_preemption(tiny):
