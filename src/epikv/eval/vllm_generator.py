@@ -71,8 +71,7 @@ def plugin_config(
     """What the run hands the plugin as ``additional_config["epikv"]`` (``rank_every`` only when set)."""
     from epikv.vllm.config import EpiKVSettings
 
-    ranking = {} if rank_every is None else {"rank_every": rank_every}
-    return EpiKVSettings(policy, budget, interval, dict(params)).as_config() | ranking
+    return EpiKVSettings(policy, budget, interval, dict(params), rank_every=rank_every).as_config()
 
 
 def plugin_spec(source: str, settings: dict[str, Any]) -> CacheSpec:
