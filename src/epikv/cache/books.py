@@ -28,7 +28,8 @@ class RowBooks(RowState):
     passes: cached tokens summed over decode passes, and the passes (their ratio is the mean cache);
     prompt: ``prompt_len`` on the host; ranked: ``passes`` when the row last scored its cache under
     ``rank_every`` (None: it holds no ranking); freed: the row evicted a token in place and writes
-    its next token into that slot (its fill stays).
+    its next token into that slot (its fill stays); rank_every: the row's own rho (a vLLM request's
+    ``epikv_rank_every``; None: its spec's, :func:`epikv.cache.ranked.row_rank_every`).
     """
 
     prompt_len: torch.Tensor
@@ -46,18 +47,25 @@ class RowBooks(RowState):
     prompt: list[int]
     ranked: list[int | None]
     freed: list[bool]
+    rank_every: list[int | None]
 
     @classmethod
     def empty(cls, device: torch.device | None = None) -> RowBooks:
         zero = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(zero, zero.clone(), [], [], [], [], [], [], [], [], [], [], [], [], [])
+        return cls(zero, zero.clone(), [], [], [], [], [], [], [], [], [], [], [], [], [], [])
 
     @classmethod
     def start(
-        cls, prompt_len: torch.Tensor, since: int, budget: int | None, reserved: int | None
+        cls,
+        prompt_len: torch.Tensor,
+        since: int,
+        budget: int | None,
+        reserved: int | None,
+        rank_every: int | None = None,
     ) -> RowBooks:
         """Books of rows about to take their first prefill (``prompt_len`` (B,) real prompt tokens):
-        nothing held yet; the prefill's own pass adds its tokens (:meth:`grow`)."""
+        nothing held yet; the prefill's own pass adds its tokens (:meth:`grow`). ``rank_every``: the
+        rows' own rho (None: the spec's)."""
         n = prompt_len.shape[0]
         zeros = [0] * n
         return cls(
@@ -76,6 +84,7 @@ class RowBooks(RowState):
             prompt=prompt_len.tolist(),  # one host sync per prefill
             ranked=[None] * n,
             freed=[False] * n,
+            rank_every=[rank_every] * n,
         )
 
     @classmethod
@@ -125,8 +134,10 @@ class RowBooks(RowState):
             self.since[r] = 0
             self.compactions[r] += 1
 
-    def rank_due(self, rows: list[int], rank_every: int, first: list[int], recent: list[int]) -> list[bool]:
-        """Whether each of ``rows`` (over budget, by one token) scores its cache now under
+    def rank_due(
+        self, rows: list[int], rank_every: list[int], first: list[int], recent: list[int]
+    ) -> list[bool]:
+        """Whether each of ``rows`` (over budget, by one token) scores its cache now under its
         ``rank_every``: it holds no ranking, the ranking is ``rank_every`` passes old, or no ranked
         token is left to evict. Its unranked tokens are its newest ``passes - ranked`` (each decode
         pass adds one), its protected ones the ``first`` (prompt or sinks) and the newest
@@ -134,10 +145,10 @@ class RowBooks(RowState):
         held - first - max(recent, unranked) (they never overlap: a row over budget has generated
         more than ``recent`` tokens, since prompt + recent fits in K)."""
         out = []
-        for r, f, w in zip(rows, first, recent, strict=True):
+        for r, rho, f, w in zip(rows, rank_every, first, recent, strict=True):
             ranked = self.ranked[r]
             age = None if ranked is None else self.passes[r] - ranked
-            due = age is None or age >= rank_every or self.held[r] - f - max(w, age) < 1
+            due = age is None or age >= rho or self.held[r] - f - max(w, age) < 1
             out.append(due)
         return out
 

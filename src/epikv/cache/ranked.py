@@ -1,5 +1,5 @@
-"""Ranking every rho steps (``CacheSpec.rank_every``, issue 56): what a row keeps of its last
-ranking, and the token it evicts at each step in between.
+"""Ranking every rho steps (``CacheSpec.rank_every``, or a row's own: :func:`row_rank_every`; issue
+56): what a row keeps of its last ranking, and the token it evicts at each step in between.
 
 At a ranking a row scores its cache as at any compaction and keeps the policy's raw scores beside
 its slots, in the arena buffer :data:`RANK` (so they move with their slots and rows, as a policy's
@@ -137,17 +137,23 @@ def lowest_ranked(
     return positions.masked_fill(~lowest, torch.iinfo(torch.long).max).argmin(dim=-1)
 
 
+def row_rank_every(spec: CacheSpec, books: RowBooks, row: int) -> int | None:
+    """Row ``row``'s rho: its own (a vLLM request's ``epikv_rank_every``), else the spec's."""
+    rho = books.rank_every[row]
+    return spec.rank_every if rho is None else rho
+
+
 def split_due(spec: CacheSpec, books: RowBooks, due: list[int]) -> tuple[list[int], list[int]]:
-    """The rows ``due`` to evict that score their cache now (all of them without ``rank_every``),
-    and those that evict in place from their ranking."""
-    rho = spec.rank_every
-    if rho is None or not due:
+    """The rows ``due`` to evict that score their cache now (all of those without a rho:
+    :func:`row_rank_every`), and those that evict in place from their ranking."""
+    rhos = [row_rank_every(spec, books, r) for r in due]
+    ranking = [(r, rho) for r, rho in zip(due, rhos, strict=True) if rho is not None]
+    if not ranking:
         return due, []
     policy = spec.policy
-    prompt = [books.prompt[r] for r in due]
+    prompt = [books.prompt[r] for r, _ in ranking]
     first = prompt if policy.protect_prompt else [min(policy.n_sink, p) for p in prompt]
-    recent = [policy.recent_window(books.budgets[r]) for r in due]  # type: ignore[arg-type]
-    rank = books.rank_due(due, rho, first, recent)
-    return [r for r, new in zip(due, rank, strict=True) if new], [
-        r for r, new in zip(due, rank, strict=True) if not new
-    ]
+    recent = [policy.recent_window(books.budgets[r]) for r, _ in ranking]  # type: ignore[arg-type]
+    rank = books.rank_due([r for r, _ in ranking], [rho for _, rho in ranking], first, recent)
+    in_place = {r for (r, _), new in zip(ranking, rank, strict=True) if not new}
+    return [r for r in due if r not in in_place], [r for r in due if r in in_place]
