@@ -164,7 +164,7 @@ for a chat); set by :func:`_wrap_chat_field` for the call that builds the reques
 def _admit(
     spec: Any, tokens: int, params: Any, pool: int | None, block_size: int, max_model_len: int
 ) -> None:
-    """The request rule (a bad budget, also under ``full``) and, once the front end knows one
+    """The request rule (a bad budget or rho, also under ``full``) and, once the front end knows one
     replica's pool (``pool``, usable blocks; None for hybrids, whose windows only the scheduler
     counts), the pool rule: each a 400 naming the request's field (the prompt when the prompt alone
     passes the pool, ``max_tokens`` when a smaller one would fit)."""
@@ -186,10 +186,11 @@ def _admit(
 
 def _field(field: str, params: Any, tokens: int) -> tuple[str, Any]:
     """The OpenAI request parameter (and its value) an admission error's ``field`` blames."""
-    from epikv.vllm.config import BUDGET_ARG
+    from epikv.vllm.config import BUDGET_ARG, RANK_EVERY_ARG
 
-    if field == "budget":
-        return BUDGET_ARG, (params.extra_args or {}).get(BUDGET_ARG)
+    named = {"budget": BUDGET_ARG, "rank_every": RANK_EVERY_ARG}
+    if field in named:
+        return named[field], (params.extra_args or {}).get(named[field])
     if field == "max_new_tokens":
         return "max_tokens", params.max_tokens
     return PROMPT_FIELD.get(), tokens

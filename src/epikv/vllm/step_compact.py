@@ -5,11 +5,12 @@ failure fails another row or another group. Under tensor parallelism each scorin
 :meth:`epikv.vllm.compaction.HeadShards.together`, so every rank leaves a failing call at the same
 collective and retries the same rows.
 
-Under ``rank_every`` (issue 56) the due rows are split by the rule of epikv's engine
-(:func:`epikv.cache.ranked.split_due`): the rows that score now compact as above and keep their
-scores as their ranking; the others evict one token each from it (:mod:`epikv.vllm.ranking`), with
-the same retries, faults, verdicts and counting (no policy call: every rank holds the same ranking
-and picks the same victims).
+Under ``rank_every`` (issue 56; the server's, or a request's own ``epikv_rank_every``, which its
+books keep) the due rows are split by the rule of epikv's engine
+(:func:`epikv.cache.ranked.split_due`, each row by its own rho): the rows that score now compact as
+above and keep their scores as their ranking; the others evict one token each from it
+(:mod:`epikv.vllm.ranking`), with the same retries, faults, verdicts and counting (no policy call:
+every rank holds the same ranking and picks the same victims).
 """
 
 from __future__ import annotations
@@ -99,13 +100,15 @@ class RowCompactions:
         return state
 
     def _choose(self, at: _Pass, rows: list[int], state: Any, budget: int) -> tuple[Compaction, Any]:
-        """Score and select rows ``rows`` (one budget) in one call; nothing is written yet. Under
-        ``rank_every`` the scores are kept as the rows' ranking."""
+        """Score and select rows ``rows`` (one budget) in one call; nothing is written yet. When any
+        of them ranks (its own rho or the server's) the call's scores are kept as the rows' ranking
+        (one call, one ranking: a row that scores at every eviction never reads it)."""
         books, store = at.books, at.store
         held = [books.held[r] for r in rows]
         slots = _slot_rows(at, rows, max(held))
         view = PagedView(store, slots, torch.tensor(held), books.prompt_len[rows], books.seen[rows], budget)
-        spec, rank = self.spec, self.spec.rank_every is not None
+        spec = self.spec
+        rank = any(ranked.row_rank_every(spec, books, r) is not None for r in rows)
         return on_rows(state, rows, len(books), lambda part: choose(store, spec, part, view, rank))
 
     def _in_place(self, at: _Pass, rows: list[int], state: Any) -> tuple[Compaction, Any]:
