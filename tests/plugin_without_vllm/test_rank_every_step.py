@@ -47,12 +47,19 @@ def kv(request: str, position: int) -> torch.Tensor:
     )
 
 
-def run(policy: str, rank_every: int | None, monkeypatch) -> dict[str, Any]:
-    """Prefill every request, then STEPS decode steps. Per request: its held positions after every
-    step, (G, H) tuples of sorted positions; every score call of it (seen, positions, scores); its
-    last counters; every slot a move wrote (its physical index)."""
+def run(
+    policy: str,
+    rank_every: int | None,
+    monkeypatch,
+    extra: dict[str, dict[str, Any]] | None = None,
+    settings: EpiKVSettings | None = None,
+) -> dict[str, Any]:
+    """Prefill every request (``extra``: a request's ``extra_args``), then STEPS decode steps, on
+    ``settings`` (default: :func:`settings_for`). Per request: its held positions after every step,
+    (G, H) tuples of sorted positions; every score call of it (seen, positions, scores); its last
+    counters; every slot a move wrote (its physical index)."""
     monkeypatch.undo()  # the unwrapped policy and move, whatever an earlier run of the test wrapped
-    settings = settings_for(policy, rank_every)
+    settings = settings or settings_for(policy, rank_every)
     state = EpiKVWorkerState(settings, settings.spec(MODEL), MODEL)
     ids, h, d = list(PROMPTS), MODEL.num_kv_heads, MODEL.head_dim
     pages = torch.zeros(MODEL.num_layers, len(ids) * BLOCKS, h, B, 2 * d)
@@ -81,7 +88,7 @@ def run(policy: str, rank_every: int | None, monkeypatch) -> dict[str, Any]:
 
     monkeypatch.setattr(cls, "score", recorded)
     monkeypatch.setattr(PagedKV, "move", watched)
-    state.after_update([NewRequest(r, p, 0, STEPS + 1, None) for r, p in PROMPTS.items()])
+    state.after_update([NewRequest(r, p, 0, STEPS + 1, (extra or {}).get(r)) for r, p in PROMPTS.items()])
     computed = dict.fromkeys(ids, 0)
     for _ in range(STEPS + 1):
         scheduled = np.array([PROMPTS[r] if computed[r] == 0 else 1 for r in ids])
