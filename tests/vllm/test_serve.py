@@ -49,10 +49,13 @@ def test_an_openai_client_gets_an_answer_with_bounded_memory_and_its_own_budget(
 
 
 def test_a_bad_budget_is_a_400_naming_it(server):
-    body = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
-            "vllm_xargs": {"epikv_budget": 100000}}  # fmt: skip
-    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
-    assert reply.status_code == 400 and "epikv_budget=100000" in reply.text
+    """Also a request's own rho (``epikv_rank_every``), which a server at tau = 16 cannot take."""
+    for field, value in (("epikv_budget", 100000), ("epikv_rank_every", 4)):
+        body = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                "vllm_xargs": {field: value}}  # fmt: skip
+        reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 400 and f"{field}={value}" in reply.text
+        assert reply.json()["error"]["param"] == field
 
 
 def test_a_streamed_refusal_is_a_400_before_any_stream_as_vllms_own_are(server):
