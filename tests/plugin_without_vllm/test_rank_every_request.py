@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from epikv.errors import AdmissionError
-from epikv.vllm.config import RANK_EVERY_ARG, EpiKVSettings, RequestPlan, plan_request
+from epikv.vllm.config import RANK_EVERY_ARG, EpiKVSettings, RequestPlan, plan_request, request_rank_every
 from epikv.vllm.plugin import _field
 from epikv.vllm.step import EpiKVWorkerState, NewRequest
 from tests.plugin_without_vllm import test_rank_every_step as ranked_step
@@ -29,11 +29,11 @@ def spec(policy: str = "keydiff", interval: int | None = 1, rank_every: int | No
 @pytest.mark.parametrize("server", [None, 8])
 def test_a_requests_rho_is_its_own_and_reserves_what_it_reserves_without_it(server):
     s = spec(rank_every=server)
-    plain = plan_request(s, 10, 500, None)
-    assert plain == RequestPlan(64, 65, 65, server)  # absent: the server's rho (None: every eviction)
+    assert request_rank_every(s, None) == request_rank_every(s, {}) == server  # absent: the server's
     for raw in (4, "4"):
-        assert plan_request(s, 10, 500, {RANK_EVERY_ARG: raw}) == RequestPlan(64, 65, 65, 4)
-    assert plan_request(s, 10, 20, {RANK_EVERY_ARG: 1, "epikv_budget": 32}) == RequestPlan(32, 33, 30, 1)
+        assert request_rank_every(s, {RANK_EVERY_ARG: raw}) == 4
+        assert plan_request(s, 10, 500, {RANK_EVERY_ARG: raw}) == RequestPlan(64, 65, 65)
+    assert plan_request(s, 10, 20, {RANK_EVERY_ARG: 1, "epikv_budget": 32}) == RequestPlan(32, 33, 30)
 
 
 def refusal(s, raw) -> AdmissionError:

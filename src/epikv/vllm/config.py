@@ -114,13 +114,11 @@ class RequestPlan:
     """What one request may hold: budget, its K (None: never evicts); cap, the most physical tokens
     it ever holds (:meth:`CacheSpec.cap_tokens`); reserve, what admission charges it, the spec's peak
     (:meth:`CacheSpec.peak_tokens`) of what vLLM lets it generate (None: nothing reserved, it grows
-    as in plain vLLM); rank_every, its rho (its own ``epikv_rank_every`` or the server's; None:
-    it scores at every eviction)."""
+    as in plain vLLM). Its rho (:func:`request_rank_every`) changes none of them."""
 
     budget: int | None
     cap: int | None
     reserve: int | None
-    rank_every: int | None = None
 
 
 def plan_request(
@@ -136,10 +134,10 @@ def plan_request(
     reservation: the spec's peak (:meth:`~epikv.spec.CacheSpec.peak_tokens`) of the tokens vLLM lets
     it generate, ``max_tokens`` clamped as vLLM clamps them (a request stops at ``max_model_len``
     tokens, prompt included; None: no context limit, outside vLLM). So a reservation never passes
-    ``max_model_len``, nor the runner's block-table row of cdiv(max_model_len, block) blocks. Its rho
-    is :func:`request_rank_every`'s. Raises an :class:`~epikv.errors.AdmissionError` (one line,
-    naming the request field to blame) for a bad budget or rho."""
-    rho = request_rank_every(spec, extra_args)
+    ``max_model_len``, nor the runner's block-table row of cdiv(max_model_len, block) blocks. Raises
+    an :class:`~epikv.errors.AdmissionError` (one line, naming the request field to blame) for a bad
+    budget, or a rho :func:`request_rank_every` refuses."""
+    request_rank_every(spec, extra_args)
     raw = (extra_args or {}).get(BUDGET_ARG)
     budget = spec.budget
     if raw is not None:
@@ -156,14 +154,15 @@ def plan_request(
         room = max(0, max_model_len - prompt_tokens)
         new = room if new is None else min(new, room)
     reserve = cap if new is None else spec.peak_tokens(prompt_tokens, new, budget)
-    return RequestPlan(budget, cap, reserve, rho)
+    return RequestPlan(budget, cap, reserve)
 
 
 def request_rank_every(spec: CacheSpec, extra_args: Mapping[str, Any] | None) -> int | None:
     """A request's rho: ``extra_args["epikv_rank_every"]`` (a positive int, by
-    :func:`~epikv.spec.parse_rank_every`), or the server's. Taken only where the server evicts at
-    tau = 1, so the request's peak stays K + 1 and its reservation is the one it has without it;
-    elsewhere an :class:`~epikv.errors.AdmissionError` whose ``field`` is ``rank_every``."""
+    :func:`~epikv.spec.parse_rank_every`), or the server's (None: it scores at every eviction).
+    Taken only where the server evicts at tau = 1, so the request's peak stays K + 1 and its
+    :func:`plan_request` is the one it has without it (which checks it on every side); elsewhere an
+    :class:`~epikv.errors.AdmissionError` whose ``field`` is ``rank_every``."""
     raw = (extra_args or {}).get(RANK_EVERY_ARG)
     if raw is None:
         return spec.rank_every

@@ -41,13 +41,20 @@ class Requests:
         self._books: RowBooks | None = None
         self._state: Any = None
 
-    def add(self, req_id: str, prompt_tokens: int, plan: RequestPlan, cached: int = 0) -> None:
-        """A new request under ``plan`` (its books keep its rho); ``cached`` prompt tokens are
-        already in its blocks (a prefix-cache hit: held, seen, never evicted, since the policy
-        protects the prompt)."""
+    def add(
+        self,
+        req_id: str,
+        prompt_tokens: int,
+        plan: RequestPlan,
+        cached: int = 0,
+        rank_every: int | None = None,
+    ) -> None:
+        """A new request under ``plan``; ``cached`` prompt tokens are already in its blocks (a
+        prefix-cache hit: held, seen, never evicted, since the policy protects the prompt);
+        ``rank_every``: its rho (:func:`~epikv.vllm.config.request_rank_every`), kept on its books."""
         assert plan.cap is not None, "the plugin's books are for evicting requests"
         prompt = torch.tensor([prompt_tokens])
-        books = RowBooks.start(prompt, self.spec.first_since, plan.budget, None, plan.rank_every)
+        books = RowBooks.start(prompt, self.spec.first_since, plan.budget, None, rank_every)
         if cached:
             books.grow([cached], cached, decode=False)
             books.seen = books.seen + cached

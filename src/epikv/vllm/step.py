@@ -41,7 +41,7 @@ from epikv.policies.base import ModelInfo, StepSignals
 from epikv.policies.rows import snapshot_rows
 from epikv.spec import CacheSpec
 from epikv.vllm.compaction import PEER_FAILED, SlotStore
-from epikv.vllm.config import EpiKVSettings, plan_request
+from epikv.vllm.config import EpiKVSettings, plan_request, request_rank_every
 from epikv.vllm.counters import Counters
 from epikv.vllm.requests import Requests
 from epikv.vllm.step_compact import RowCompactions
@@ -145,7 +145,8 @@ class EpiKVWorkerState:
             except ValueError as err:
                 self.fault(req.req_id, str(err))
                 continue
-            self.requests.add(req.req_id, req.prompt, plan, req.cached)
+            rho = request_rank_every(self.spec, req.extra_args)  # checked by the plan: never raises
+            self.requests.add(req.req_id, req.prompt, plan, req.cached, rho)
 
     # -- before the forward -----------------------------------------------------------------------
     def physical(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
