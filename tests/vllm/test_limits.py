@@ -113,6 +113,8 @@ def test_a_failed_request_answers_400_when_refused_and_500_with_its_line_otherwi
 
     refused = answers.failure(output({"error": "epikv: request x: no", "refused": "budget"}), "messages")
     assert isinstance(refused, VLLMValidationError) and refused.parameter == BUDGET_ARG
+    rho = answers.failure(output({"error": "epikv: request x: no", "refused": "rank_every"}), "messages")
+    assert isinstance(rho, VLLMValidationError) and rho.parameter == "epikv_rank_every"
     prompt = answers.failure(output({"error": "epikv: too long", "refused": "prompt"}), "messages")
     assert isinstance(prompt, VLLMValidationError) and prompt.parameter == "messages"
     fault = answers.failure(output({"error": "epikv: request x: compaction failed: E: f"}), "prompt")

@@ -65,7 +65,7 @@ def failure(out: Any, prompt_field: str) -> Exception | None:
     never run on this engine), vLLM's 500 with the epikv line for a fault."""
     from vllm.exceptions import GenerationError, VLLMValidationError
 
-    from epikv.vllm.config import BUDGET_ARG
+    from epikv.vllm.config import REQUEST_FIELDS
 
     if not out.finished or not any(o.finish_reason == "error" for o in out.outputs):
         return None
@@ -79,8 +79,7 @@ def failure(out: Any, prompt_field: str) -> Exception | None:
     refused = stats.get("refused")
     if refused is None:
         return GenerationError(line)
-    names = {"budget": BUDGET_ARG, "max_new_tokens": "max_tokens"}
-    return VLLMValidationError(line, parameter=names.get(refused, prompt_field))
+    return VLLMValidationError(line, parameter=REQUEST_FIELDS.get(refused, prompt_field))
 
 
 def wrap_chat_field(prompt_field: Any) -> None:

@@ -107,6 +107,9 @@ def vllm_policies() -> list[str]:
 
 BUDGET_ARG = "epikv_budget"  # SamplingParams.extra_args key (``vllm_xargs`` in an OpenAI request body)
 RANK_EVERY_ARG = "epikv_rank_every"  # the same, for a request's own rho
+REQUEST_FIELDS = {"budget": BUDGET_ARG, "rank_every": RANK_EVERY_ARG, "max_new_tokens": "max_tokens"}
+"""The OpenAI request parameter an :class:`~epikv.errors.AdmissionError`'s ``field`` blames (any
+other field: the prompt's, as the endpoint names it)."""
 
 
 @dataclass(frozen=True)

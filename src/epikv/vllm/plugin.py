@@ -186,13 +186,13 @@ def _admit(
 
 def _field(field: str, params: Any, tokens: int) -> tuple[str, Any]:
     """The OpenAI request parameter (and its value) an admission error's ``field`` blames."""
-    from epikv.vllm.config import BUDGET_ARG, RANK_EVERY_ARG
+    from epikv.vllm.config import REQUEST_FIELDS
 
-    named = {"budget": BUDGET_ARG, "rank_every": RANK_EVERY_ARG}
-    if field in named:
-        return named[field], (params.extra_args or {}).get(named[field])
-    if field == "max_new_tokens":
-        return "max_tokens", params.max_tokens
+    name = REQUEST_FIELDS.get(field)
+    if name == "max_tokens":
+        return name, params.max_tokens
+    if name is not None:
+        return name, (params.extra_args or {}).get(name)
     return PROMPT_FIELD.get(), tokens
 
 
