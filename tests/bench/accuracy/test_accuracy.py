@@ -233,3 +233,30 @@ def test_every_policy_in_the_figure_has_its_own_colour_and_neighbours_differ_in_
     assert len({colour for colour, _ in styles.values()}) == len(policies)
     markers = [styles[p][1] for p in policies]
     assert all(a != b for a, b in pairwise(markers))
+
+
+def test_a_bf16_study_is_refused_where_bf16_is_emulated_unless_asked(tmp_path, monkeypatch):
+    from epikv.bench.accuracy import cells
+
+    study, reached = Study(), []
+
+    def no_generation(config, make, skip_unfit):  # the guard comes before any engine starts
+        reached.append(config.dtype)
+        raise RuntimeError("generation reached")
+
+    monkeypatch.setattr(cells, "run_eval", no_generation)
+    cell = study.find("gsm8k/full@full")
+    monkeypatch.setattr(cells, "bf16_matrix_units", lambda device: None)
+    with pytest.raises(ValueError, match=r"no bf16 matrix units .* pass --emulated-bf16 to run here anyway"):
+        cells.run_cell(study, cell, str(tmp_path), progress=False)
+    assert reached == []
+    with pytest.raises(RuntimeError, match="generation reached"):
+        cells.run_cell(study, cell, str(tmp_path), progress=False, emulated_bf16=True)
+    monkeypatch.setattr(cells, "bf16_matrix_units", lambda device: "amx_bf16")
+    with pytest.raises(RuntimeError, match="generation reached"):
+        cells.run_cell(study, cell, str(tmp_path), progress=False)
+    fp32 = dataclasses.replace(study, dtype="float32")
+    monkeypatch.setattr(cells, "bf16_matrix_units", lambda device: None)
+    with pytest.raises(RuntimeError, match="generation reached"):
+        cells.run_cell(fp32, cell, str(tmp_path), progress=False)
+    assert reached == ["bfloat16", "bfloat16", "float32"]

@@ -22,6 +22,7 @@ from epikv.eval.generator import Generator, engine_for_config, generator_factory
 from epikv.eval.plan import plan_run
 from epikv.eval.records import load_run_results, load_skipped
 from epikv.eval.runner import RunOutcome, run_eval
+from epikv.models.loading import bf16_matrix_units
 
 
 def _head() -> str | None:
@@ -93,18 +94,39 @@ def timed_cell(
     }  # fmt: skip
 
 
+EMULATED_BF16 = (
+    "the study runs in bfloat16 and this CPU has no bf16 matrix units (AMX-BF16 or AVX512-BF16), so "
+    "bf16 is emulated here: on a 2-core AVX2-only AMD EPYC a bf16 matrix product ran 3.9x slower than "
+    "fp32 and one batch of 64 problems was still generating after 35 minutes (tests sharing the CPU); "
+    "run it on a CPU with them, or pass --emulated-bf16 to run here anyway"
+)
+
+
+def bf16_refused(study: Study) -> bool:
+    """Whether :func:`run_cell` refuses ``study`` here without ``emulated_bf16``."""
+    return study.dtype == "bfloat16" and bf16_matrix_units("cpu") is None
+
+
 def run_cell(
-    study: Study, cell: Cell, out: str, progress: bool = True, limit: int | None = None
+    study: Study,
+    cell: Cell,
+    out: str,
+    progress: bool = True,
+    limit: int | None = None,
+    emulated_bf16: bool = False,
 ) -> RunOutcome:
     """Generates what ``cell`` still owes on its first ``limit`` problems (default: all of them),
     resuming its folder, and saves the resolved spec. ``limit`` must be a whole number of batches:
     in bf16 a problem's tokens depend on its batch-mates, so a cell is only reproducible from
-    scratch if every run of it formed the batches one run over all its problems forms."""
+    scratch if every run of it formed the batches one run over all its problems forms. A bf16 study
+    is refused on a CPU that emulates bf16 (:data:`EMULATED_BF16`) unless ``emulated_bf16``."""
     if limit is not None and (limit % cell.batch_size or not 0 < limit <= cell.problems):
         raise ValueError(
             f"--limit {limit}: a cell runs whole batches of {cell.batch_size} problems, up to its "
             f"{cell.problems}; use a multiple of {cell.batch_size}"
         )
+    if not emulated_bf16 and bf16_refused(study):
+        raise ValueError(EMULATED_BF16)
     config = cell.config(out, study.model, study.dtype, progress)
     if limit is not None:
         config = dataclasses.replace(config, limit=limit)

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from epikv.bench.accuracy.design import EMULATED_BF16_HELP
+
 DEFAULT_OUT = "results/accuracy"
 
 
@@ -31,6 +33,7 @@ def add_accuracy_parser(kinds: Any) -> None:
         "--limit", type=int, default=None, help="only the first N problems (whole batches), e.g. a pilot"
     )
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--emulated-bf16", action="store_true", help=EMULATED_BF16_HELP)
     summarize = actions.add_parser("summarize", help="recompute the study's numbers from its records")
     compare = actions.add_parser("compare", help="cells run again elsewhere against the study's records")
     compare.add_argument("--repeat", required=True, help="the folder the cells were run again into")
@@ -45,7 +48,7 @@ def add_accuracy_parser(kinds: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from epikv.bench.accuracy.cells import cell_status, estimate_minutes
+    from epikv.bench.accuracy.cells import bf16_refused, cell_status, estimate_minutes
     from epikv.bench.accuracy.design import Study
 
     study = Study()
@@ -60,6 +63,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"skipped {status['skipped']:3} owed {status['owed']:4}  ~{shown}"
         )
     print(f"owed in all: ~{total / 60:.1f} h at the speeds measured so far (cells marked ? not counted)")
+    if bf16_refused(study):
+        print("this CPU has no bf16 matrix units: `run` refuses here (--emulated-bf16 runs anyway)")
     return 0
 
 
@@ -76,7 +81,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to run: name cells with --cell, or ask for --next N")
     for cell in cells:
         print(f"cell {cell.name} on {cell.engine}", flush=True)
-        outcome = run_cell(study, cell, args.out, progress=not args.no_progress, limit=args.limit)
+        outcome = run_cell(
+            study, cell, args.out, not args.no_progress, args.limit, emulated_bf16=args.emulated_bf16
+        )
         accuracy = outcome.summary.get("accuracy")
         print(f"  generated {outcome.generated}, skipped {outcome.skipped}, accuracy {accuracy}", flush=True)
     return 0

@@ -96,6 +96,9 @@ def reads_attention(policy: str) -> bool:
     return policy_class(policy).reads_attention
 
 
+EMULATED_BF16_HELP = "run a bf16 study on a CPU without bf16 matrix units anyway (several times slower)"
+
+
 @dataclass(frozen=True)
 class Study:
     """The whole study. ``batch_size``: prompts per vLLM ``generate`` call, all running at once

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from epikv.bench.accuracy.design import EMULATED_BF16_HELP
 from epikv.bench.accuracy.frontier import HOME, Frontier, FrontierCell
 
 
@@ -27,6 +28,7 @@ def add_frontier_parser(kinds: Any) -> None:
     run.add_argument("--next", type=int, default=0, help="the next N new cells that owe work, in order")
     run.add_argument("--limit", type=int, default=None, help="only the first N problems (whole batches)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--emulated-bf16", action="store_true", help=EMULATED_BF16_HELP)
     summarize = actions.add_parser("summarize", help="recompute the frontier's numbers from the records")
     for action in (status, run, summarize):
         action.add_argument("--out", default=HOME["frontier"], help="the new cells' folder")
@@ -54,7 +56,7 @@ def statuses(frontier: Frontier, args: argparse.Namespace) -> list[dict[str, Any
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from epikv.bench.accuracy.cells import estimate_minutes
+    from epikv.bench.accuracy.cells import bf16_refused, estimate_minutes
 
     frontier = Frontier()
     found = statuses(frontier, args)
@@ -72,6 +74,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"owed in all: ~{total / 60:.1f} h at the speeds measured so far ({unknown} cells with no speed: ?)"
     )
     print(f"speeds measured on: {', '.join(sorted(_cpus(args)))}")
+    if bf16_refused(frontier.study):
+        print("this CPU has no bf16 matrix units: `run` refuses here (--emulated-bf16 runs anyway)")
     return 0
 
 
@@ -105,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for cell in cells:
         print(f"cell {cell.name} (peak {cell.level}) on {cell.cell.engine}", flush=True)
         outcome = run_cell(
-            frontier.study, cell.cell, args.out, progress=not args.no_progress, limit=args.limit
+            frontier.study, cell.cell, args.out, not args.no_progress, args.limit, args.emulated_bf16
         )
         accuracy = outcome.summary.get("accuracy")
         print(f"  generated {outcome.generated}, skipped {outcome.skipped}, accuracy {accuracy}", flush=True)
