@@ -143,8 +143,8 @@ def test_every_engine_is_asked_with_rho_and_the_plugin_is_handed_it() -> None:
 
 def test_the_vllm_worker_is_started_with_rho_in_the_plugins_config() -> None:
     """The caller's side of ``--engine vllm``: the spec the plugin resolves from the settings it is
-    handed equals epikv's own, and rho travels in ``additional_config['epikv']`` (the runs
-    themselves: tests/vllm)."""
+    handed equals epikv's own, and rho travels in the start message, which the worker hands to
+    ``epikv.vllm.engine_kwargs`` (the runs themselves: tests/vllm)."""
     from epikv.eval.generator import engine_for_model
     from epikv.eval.vllm_generator import VllmGenerator
     from epikv.vllm.config import EpiKVSettings
@@ -153,8 +153,6 @@ def test_the_vllm_worker_is_started_with_rho_in_the_plugins_config() -> None:
     mine = VllmGenerator(None, "keydiff", 100, None, {}, dtype="float32", max_new_tokens=64, rank_every=8)
     theirs = engine_for_model(None)("keydiff", 100, None, {}, rank_every=8)
     assert mine.spec.config() == theirs.spec.config() and mine.spec.rank_every == 8
-    assert mine.start_msg["options"] == {
-        "additional_config": {"epikv": plugin_config("keydiff", 100, None, {}, 8)}
-    }
+    assert mine.start_msg["rank_every"] == 8 and "options" not in mine.start_msg
     plain = VllmGenerator(None, "keydiff", 100, None, {}, dtype="float32", max_new_tokens=64)
-    assert "options" not in plain.start_msg and plain.spec.rank_every is None
+    assert "rank_every" not in plain.start_msg and plain.spec.rank_every is None

@@ -108,7 +108,6 @@ class VllmGenerator:
         rank_every: int | None = None,
     ) -> None:
         from epikv.models.loading import load_tokenizer, model_source
-        from epikv.vllm.config import KEY
 
         self.source = model_source(model)
         self.tokenizer = load_tokenizer(model)
@@ -120,8 +119,8 @@ class VllmGenerator:
             "policy_params": policy_params, "dtype": dtype, "max_num_seqs": max_num_seqs,
             "enforce_eager": enforce_eager,
         }  # fmt: skip
-        if rank_every is not None:  # the worker's engine_kwargs take no rho: the plugin's config does
-            self.start_msg["options"] = {"additional_config": {KEY: settings}}
+        if rank_every is not None:  # the worker hands it to engine_kwargs (saved only when set)
+            self.start_msg["rank_every"] = rank_every
         self.max_new_tokens = max_new_tokens
         self.longest_prompt = 0
         self.python = python  # resolved when the worker starts: fit() needs no vLLM

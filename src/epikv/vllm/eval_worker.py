@@ -48,7 +48,8 @@ class Worker:
 
         plain = bool(msg.get("plain"))
         kwargs = {} if plain else epikv.vllm.engine_kwargs(
-            msg["policy"], msg.get("budget"), msg.get("interval"), **(msg.get("policy_params") or {})
+            msg["policy"], msg.get("budget"), msg.get("interval"), rank_every=msg.get("rank_every"),
+            **(msg.get("policy_params") or {}),
         )  # fmt: skip
         options = {
             "dtype": msg["dtype"], "enforce_eager": bool(msg.get("enforce_eager", True)), "seed": 0,
