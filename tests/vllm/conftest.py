@@ -4,13 +4,14 @@
 vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine, scheduler and worker in the test's
 own process, which also lets tests read the worker's state), float32, eager, blocks of 32 tokens.
 epikv's own engine is the reference; it runs in epikv's environment (``.venv``, or
-``EPIKV_REFERENCE_PYTHON``) through ``reference.py``.
+``EPIKV_REFERENCE_PYTHON``) in ``reference.py``'s worker, one per session, stopped at its end.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm", reason="the vLLM plugin's tests run in .venv-vllm (setup.sh --vllm)")
 
-from tests.vllm.engines import reference
+from tests.vllm.engines import WORKER, reference
 
 VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "num_hidden_layers": 3}
 """epikv's tiny shape, with heads of 32 (vLLM's CPU attention has no kernel for 16) and 3 layers."""
@@ -41,6 +42,13 @@ TINY_KINDS = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "glm4_moe", "olmo2", "seed_oss",
     "gemma3_text", "exaone4", "gpt_oss", "olmo3", "smollm3",
 )  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_worker() -> Iterator[None]:
+    """The session's reference worker (started by the first job) outlives no test: stopped here."""
+    yield
+    WORKER.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,18 +1,21 @@
 """Helpers of the vLLM plugin's tests (an importable module, beside ``conftest.py``'s fixtures):
 in-process engines on the embedded model (float32, eager, blocks of 32 tokens), driving them step by
-step, epikv's own engine as the reference (``reference.py`` in epikv's environment, ``.venv`` or
-``EPIKV_REFERENCE_PYTHON``), and vLLM's OpenAI server as a user starts it."""
+step, epikv's own engine as the reference (``reference.py``'s worker in epikv's environment, ``.venv``
+or ``EPIKV_REFERENCE_PYTHON``, one per session), and vLLM's OpenAI server as a user starts it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,21 +29,110 @@ BLOCK = 32
 FP32_TOKEN_BYTES = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K + V) x 4 bytes
 
 
+class ReferenceWorker:
+    """``reference.py serve`` in epikv's environment, started on the first job and kept: one JSON job
+    per line in, one answer per line out, so the ~8 s of importing torch, transformers and epikv (and
+    loading each model) is paid once per session, not per call. A worker that dies is started again
+    once per job; dying again fails with the tail of its stderr."""
+
+    def __init__(self, python: Path) -> None:
+        self.python = python
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.log: Any = None  # its stderr: a file, so a chatty worker never blocks on a full pipe
+
+    def ask(self, job: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
+        """The worker's answer to ``job``; RuntimeError with the job's traceback if it raised."""
+        for attempt in range(2):
+            if self.proc is None or self.proc.poll() is not None:
+                self.start()
+            try:
+                self.proc.stdin.write(json.dumps(job) + "\n")
+                self.proc.stdin.flush()
+                line = self._answer(timeout)
+            except (BrokenPipeError, OSError):
+                line = None
+            if line is not None:
+                break
+            tail = self.stderr_tail()
+            self.close()
+            if attempt:
+                raise RuntimeError(f"the reference worker died twice on {job.get('kind', 'run')}:\n{tail}")
+        if line.startswith("ERROR "):
+            raise RuntimeError(f"reference.py failed on {job.get('kind', 'run')}:\n{json.loads(line[6:])}")
+        return json.loads(line[len("REFERENCE ") :])
+
+    def _answer(self, timeout: float) -> str | None:
+        """The next answer line, or None when the worker's stdout closed (it died)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                tail = self.stderr_tail()
+                self.close()
+                raise RuntimeError(
+                    f"the reference worker gave no answer in {timeout:.0f} s:\n{tail}"
+                ) from None
+            if line is None or line.startswith(("REFERENCE ", "ERROR ")):
+                return line
+
+    def start(self) -> None:
+        if not self.python.exists():
+            raise RuntimeError(f"no reference Python at {self.python}: run `bash scripts/setup.sh` first")
+        self.close()  # a worker that died between jobs
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [str(self.python), str(Path(__file__).with_name("reference.py")), "serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
+        )  # fmt: skip
+        self.lines = queue.Queue()  # a fresh queue: a dead worker's last lines never answer a new job
+        threading.Thread(target=_pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+
+    def stderr_tail(self, chars: int = 3000) -> str:
+        if self.log is None:
+            return ""
+        fd = self.log.fileno()
+        size = os.fstat(fd).st_size  # pread: the worker's own writes keep their (shared) offset
+        return os.pread(fd, 4 * chars, max(size - 4 * chars, 0)).decode(errors="replace")[-chars:]
+
+    def close(self) -> None:
+        """Stop the worker (it leaves when its stdin closes; killed if it does not within 10 s)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+WORKER = ReferenceWorker(REFERENCE)
+"""The session's one reference worker (closed by conftest's session fixture, and at exit)."""
+atexit.register(WORKER.close)
+
+
 def reference(*args: str) -> dict[str, Any]:
-    """Run ``reference.py`` in epikv's environment and return its JSON."""
-    if not REFERENCE.exists():
-        raise RuntimeError(f"no reference Python at {REFERENCE}: run `bash scripts/setup.sh` first")
-    done = subprocess.run(
-        [str(REFERENCE), str(Path(__file__).with_name("reference.py")), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"reference.py {args} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("REFERENCE ") :])
+    """What ``reference.py`` answers to ``args`` (``folder``; ``chat FOLDER TEXT...``; ``run
+    SPEC.json``), from the session's worker."""
+    if args[0] == "folder":
+        return WORKER.ask({"kind": "folder"})
+    if args[0] == "chat":
+        return WORKER.ask({"kind": "chat", "model": args[1], "texts": list(args[2:])})
+    if args[0] == "run":
+        return WORKER.ask({"kind": "run", **json.loads(Path(args[1]).read_text())})
+    raise ValueError(f"reference.py has no command {args[0]!r}: folder, chat or run")
 
 
 def reference_run(
@@ -51,14 +143,10 @@ def reference_run(
     model: str | None = None,
     interval: int | None = None,
 ) -> dict[str, Any]:
+    """epikv's engine (float32, greedy) on ``prompts``: each request's tokens and kept sets."""
     job = {"policy": policy, "budget": budget, "prompts": prompts, "max_tokens": max_tokens, "model": model}
     job["interval"] = interval
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    try:
-        return reference("run", f.name)
-    finally:
-        os.unlink(f.name)
+    return WORKER.ask({"kind": "run", **job})
 
 
 def make_llm(folder: str, blocks: int = 200, **kwargs: Any) -> Any:

@@ -1,19 +1,31 @@
 """epikv's own engine as the reference for the vLLM plugin's tests, run in epikv's environment
 (``.venv``: transformers 5.24), since vLLM's environment pins an older transformers.
 
+``python reference.py serve`` is the worker the tests keep for a session (``engines.reference``):
+it reads one JSON job per stdin line and answers each with one line, ``REFERENCE {...}`` (the job's
+result) or ``ERROR "..."`` (the job's traceback, as a JSON string; the worker goes on). A job's
+``kind`` is ``run`` (the default), ``chat`` or ``folder``, the three below. Models stay loaded by
+folder (:data:`CACHE_BYTES`, least recently used first out), and every ``run`` job gets a fresh
+:class:`~epikv.engine.Engine`, so a job's answer is the one a process of its own would give.
+
 ``python reference.py folder`` prints the embedded model's safetensors folder (made if missing);
 ``python reference.py chat FOLDER TEXT...`` prints the chat-formatted ids of each text with the
 tokenizer of a model folder (the real-weights tests);
 ``python reference.py run SPEC.json`` runs the prompts of SPEC (policy, budget, prompts, max_tokens,
-and optionally ``model``, a saved model folder instead of the embedded model) greedily in float32
-and prints each request's tokens and the true positions it kept at every compaction (first layer
-group, first head), as one JSON line.
+and optionally ``model``, a saved model folder instead of the embedded model, and ``interval``)
+greedily in float32 and prints each request's tokens and the true positions it kept at every
+compaction (first layer group, first head), as one JSON line.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+import traceback
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
 
 TEXTS = [
     "What is 17 * 23? Think step by step.",
@@ -21,6 +33,10 @@ TEXTS = [
     "Write a short poem about the sea, then explain its rhyme scheme in detail.",
     "List three prime numbers greater than 50 and prove each is prime.",
 ]
+CACHE_BYTES = 2 << 30
+"""float32 weights the worker keeps loaded: the embedded model (0.5 GiB) and the tiny ones stay,
+a larger model (the real Qwen, 6 GiB) pushes every other one out before it loads."""
+MODELS: OrderedDict[str | None, tuple[Any, int]] = OrderedDict()  # folder (None: embedded) -> (model, bytes)
 
 
 def folder() -> dict:
@@ -36,19 +52,43 @@ def folder() -> dict:
     return {"folder": str(embedded_cache_folder()), "prompts": prompts}
 
 
-def run(spec_path: str) -> dict:
-    from epikv.engine import Engine, Request
-    from epikv.integration import build_spec
-    from epikv.models import load_model
-
-    job = json.loads(open(spec_path).read())
-    if job.get("model"):
+def load(model_folder: str | None) -> Any:
+    """The float32 model of a saved folder (``None``: the embedded model), loaded once per worker."""
+    if model_folder in MODELS:
+        MODELS.move_to_end(model_folder)
+        return MODELS[model_folder][0]
+    stored = sum(f.stat().st_size for f in Path(model_folder).glob("*.safetensors")) if model_folder else 0
+    evict(CACHE_BYTES - stored)
+    if model_folder:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(job["model"], dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(model_folder, dtype="float32")
     else:
+        from epikv.models import load_model
+
         model, _ = load_model()
     model = model.float()
+    MODELS[model_folder] = (model, sum(p.numel() * p.element_size() for p in model.parameters()))
+    evict(CACHE_BYTES, keep=model_folder)
+    return model
+
+
+def evict(room: int, keep: str | None = "") -> None:
+    """Drop the least recently used models until the rest take at most ``room`` bytes (never ``keep``)."""
+    while MODELS and sum(size for _, size in MODELS.values()) > max(room, 0):
+        oldest = next(iter(MODELS))
+        if oldest == keep:
+            break
+        del MODELS[oldest]
+    gc.collect()
+
+
+def run(job: dict) -> dict:
+    """One job's tokens and kept sets (see the module docstring), on a fresh engine."""
+    from epikv.engine import Engine, Request
+    from epikv.integration import build_spec
+
+    model = load(job.get("model") or None)
     spec = build_spec(model, job["policy"], job.get("budget"), interval=job.get("interval"))
     engine = Engine(model, spec)
     traces: list[list[list[int]]] = [[] for _ in job["prompts"]]
@@ -80,9 +120,40 @@ def chat(model_folder: str, texts: list[str]) -> dict:
     return {"prompts": prompts}
 
 
+def answer(job: dict) -> dict:
+    kind = job.get("kind", "run")
+    if kind == "folder":
+        return folder()
+    if kind == "chat":
+        return chat(job["model"], job["texts"])
+    if kind == "run":
+        return run(job)
+    raise ValueError(f"unknown job kind {kind!r}: folder, chat or run")
+
+
+def serve() -> None:
+    """Answer jobs from stdin until it closes (see the module docstring). Whatever the library prints
+    goes to stderr, so stdout carries the answers alone."""
+    answers, sys.stdout = sys.stdout, sys.stderr
+    for line in iter(sys.stdin.readline, ""):
+        if not line.strip():
+            continue
+        try:
+            out = "REFERENCE " + json.dumps(answer(json.loads(line)))
+        except Exception:
+            MODELS.clear()  # a job that failed half way leaves nothing behind for the next one
+            gc.collect()
+            out = "ERROR " + json.dumps(traceback.format_exc())
+        answers.write(out + "\n")
+        answers.flush()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "chat":
-        out = chat(sys.argv[2], sys.argv[3:])
+    if sys.argv[1] == "serve":
+        serve()
+    elif sys.argv[1] == "chat":
+        print("REFERENCE " + json.dumps(chat(sys.argv[2], sys.argv[3:])))
+    elif sys.argv[1] == "folder":
+        print("REFERENCE " + json.dumps(folder()))
     else:
-        out = folder() if sys.argv[1] == "folder" else run(sys.argv[2])
-    print("REFERENCE " + json.dumps(out))
+        print("REFERENCE " + json.dumps(run(json.loads(open(sys.argv[2]).read()))))
