@@ -124,15 +124,13 @@ atexit.register(WORKER.close)
 
 
 def reference(*args: str) -> dict[str, Any]:
-    """What ``reference.py`` answers to ``args`` (``folder``; ``chat FOLDER TEXT...``; ``run
-    SPEC.json``), from the session's worker."""
+    """What ``reference.py`` answers to ``args`` (``folder``; ``chat FOLDER TEXT...``), from the
+    session's worker (a run: :func:`reference_run`)."""
     if args[0] == "folder":
         return WORKER.ask({"kind": "folder"})
     if args[0] == "chat":
         return WORKER.ask({"kind": "chat", "model": args[1], "texts": list(args[2:])})
-    if args[0] == "run":
-        return WORKER.ask({"kind": "run", **json.loads(Path(args[1]).read_text())})
-    raise ValueError(f"reference.py has no command {args[0]!r}: folder, chat or run")
+    raise ValueError(f"reference.py has no command {args[0]!r}: folder or chat")
 
 
 def reference_run(

@@ -4,17 +4,17 @@
 ``python reference.py serve`` is the worker the tests keep for a session (``engines.reference``):
 it reads one JSON job per stdin line and answers each with one line, ``REFERENCE {...}`` (the job's
 result) or ``ERROR "..."`` (the job's traceback, as a JSON string; the worker goes on). A job's
-``kind`` is ``run`` (the default), ``chat`` or ``folder``, the three below. Models stay loaded by
+``kind`` is ``run`` (the default), ``chat`` or ``folder``, below. Models stay loaded by
 folder (:data:`CACHE_BYTES`, least recently used first out), and every ``run`` job gets a fresh
 :class:`~epikv.engine.Engine`, so a job's answer is the one a process of its own would give.
 
-``python reference.py folder`` prints the embedded model's safetensors folder (made if missing);
-``python reference.py chat FOLDER TEXT...`` prints the chat-formatted ids of each text with the
-tokenizer of a model folder (the real-weights tests);
-``python reference.py run SPEC.json`` runs the prompts of SPEC (policy, budget, prompts, max_tokens,
-and optionally ``model``, a saved model folder instead of the embedded model, and ``interval``)
-greedily in float32 and prints each request's tokens and the true positions it kept at every
-compaction (first layer group, first head), as one JSON line.
+``python reference.py folder`` prints the embedded model's safetensors folder (made if missing;
+scripts/vllm_soak.py). A ``folder`` job answers the same; a ``chat`` job (``model``, ``texts``) the
+chat-formatted ids of each text with the tokenizer of a model folder (the real-weights tests); a
+``run`` job (policy, budget, prompts, max_tokens, and optionally ``model``, a saved model folder
+instead of the embedded model, and ``interval``) runs the prompts greedily in float32 and answers
+each request's tokens and the true positions it kept at every compaction (first layer group, first
+head).
 """
 
 from __future__ import annotations
@@ -151,9 +151,5 @@ def serve() -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve()
-    elif sys.argv[1] == "chat":
-        print("REFERENCE " + json.dumps(chat(sys.argv[2], sys.argv[3:])))
-    elif sys.argv[1] == "folder":
-        print("REFERENCE " + json.dumps(folder()))
     else:
-        print("REFERENCE " + json.dumps(run(json.loads(open(sys.argv[2]).read()))))
+        print("REFERENCE " + json.dumps(folder()))

@@ -96,9 +96,8 @@ def timed_cell(
 
 EMULATED_BF16 = (
     "the study runs in bfloat16 and this CPU has no bf16 matrix units (AMX-BF16 or AVX512-BF16), so "
-    "bf16 is emulated here: on a 2-core AVX2-only AMD EPYC a bf16 matrix product ran 3.9x slower than "
-    "fp32 and one batch of 64 problems was still generating after 35 minutes (tests sharing the CPU); "
-    "run it on a CPU with them, or pass --emulated-bf16 to run here anyway"
+    "bf16 is emulated here, several times slower; run it on a CPU with them, or pass --emulated-bf16 "
+    "to run here anyway"
 )
 
 
