@@ -119,8 +119,8 @@ def measure_point(
         torch.cuda.reset_peak_memory_stats()
         base, source = torch.cuda.memory_allocated(), "cuda.max_memory_allocated"
     else:
+        source = "VmHWM" if machine.reset_peak_rss() else "ru_maxrss"  # the heap trimmed first
         base = machine.current_rss()
-        source = "VmHWM" if machine.reset_peak_rss() else "ru_maxrss"
     point: dict[str, Any] = {"path": path, "length": length, "status": "ok", "source": source}
     spec: Any = capture_policy
     if path == "epikv_capture":  # the spec the capture runs, with its bands, for the result's config

@@ -286,8 +286,8 @@ def worker_main(argv: list[str]) -> int:
     ).eval()
     ids = torch.tensor([json.loads(Path(args.ids).read_text())])
     model_loading.page_in(model)
+    machine.reset_peak_rss()  # the heap trimmed first, then the baseline
     base = machine.current_rss()
-    machine.reset_peak_rss()
 
     spec: dict[str, Any] = {}
 

@@ -8,6 +8,8 @@ device synchronizer that timings wait on. It knows no benchmark.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import platform
 import resource
@@ -96,12 +98,23 @@ def current_rss() -> int:
 
 
 def reset_peak_rss() -> bool:
-    """Reset the kernel's resident high-water mark (VmHWM) to the current RSS; False if unsupported."""
+    """Reset the kernel's resident high-water mark (VmHWM) to the current RSS; False if unsupported.
+    The C heap's free pages go back to the system first (glibc's ``malloc_trim``): in a process that
+    has freed large buffers they stay resident, and new buffers placed in them would not raise RSS,
+    so a peak measured from here would miss them."""
+    _trim_heap()
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return False
     return True
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def peak_rss() -> int:
