@@ -61,13 +61,16 @@ def tiny(embedded: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
         folder = tmp_path_factory.mktemp(f"tiny-{kind}")
         build_tiny(kind, folder, embedded["folder"])
         folders[kind] = str(folder)
+    folder = tmp_path_factory.mktemp("tiny-served")
+    build_tiny("llama", folder, embedded["folder"], positions=4096)
+    folders["served"] = str(folder)  # the servers' model: Llama at 4,096 positions, chats in seconds
     return folders
 
 
-def build_tiny(kind: str, folder: Path, tokenizer_folder: str) -> None:
+def build_tiny(kind: str, folder: Path, tokenizer_folder: str, positions: int = 512) -> None:
     """epikv's tiny random model of ``kind`` saved in ``folder`` with the embedded model's tokenizer
-    (so its vocabulary): heads of 32, weights at std 0.2 (biases too: Qwen2's q/k/v), so logits are
-    far from flat and token comparisons mean something."""
+    and chat template (so its vocabulary): heads of 32, weights at std 0.2 (biases too: Qwen2's
+    q/k/v), so logits are far from flat and token comparisons mean something."""
     import torch
     from transformers import AutoTokenizer
 
@@ -76,13 +79,15 @@ def build_tiny(kind: str, folder: Path, tokenizer_folder: str) -> None:
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_folder))
     std = STD.get(kind, 0.2)
     shape = {**VLLM_SHAPE, **HYBRID_SHAPE.get(kind, {})}
-    model = tiny_model(kind, vocab_size=vocab, initializer_range=std, max_position_embeddings=512, **shape)
+    model = tiny_model(
+        kind, vocab_size=vocab, initializer_range=std, max_position_embeddings=positions, **shape
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, std)
     model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         source = f"{tokenizer_folder}/{name}"
         try:
             shutil.copy(source, folder / name)

@@ -13,8 +13,8 @@ scripts/vllm_soak.py). A ``folder`` job answers the same; a ``chat`` job (``mode
 chat-formatted ids of each text with the tokenizer of a model folder (the real-weights tests); a
 ``run`` job (policy, budget, prompts, max_tokens, and optionally ``model``, a saved model folder
 instead of the embedded model, and ``interval``) runs the prompts greedily in float32 and answers
-each request's tokens and the true positions it kept at every compaction (first layer group, first
-head).
+each request's tokens, the true positions it kept at every compaction (first layer group, first
+head) and its counters (peak, evictions, compactions, budget: what the plugin's outputs carry).
 """
 
 from __future__ import annotations
@@ -106,7 +106,12 @@ def run(job: dict) -> dict:
     while engine.has_work():
         for completion in engine.step():
             done[completion.request_id] = completion
-    return {"tokens": [done[r.id].token_ids for r in requests], "kept": traces}
+    counted = ("peak_cache_tokens", "evictions", "compactions", "budget")
+    return {
+        "tokens": [done[r.id].token_ids for r in requests],
+        "kept": traces,
+        "counters": [{name: getattr(done[r.id], name) for name in counted} for r in requests],
+    }
 
 
 def chat(model_folder: str, texts: list[str]) -> dict:

@@ -1,7 +1,8 @@
 """Data parallelism: vLLM's OpenAI server with ``--data-parallel-size 2`` (two engine cores, each with
 its own scheduler, worker and plugin) on 127.0.0.1 and a free port (``engines.serve``). Concurrent
 chats are spread over both replicas; each is bounded by its own replica's plugin, and the plugin's
-count of finished requests is vLLM's, over both."""
+count of finished requests is vLLM's, over both. The model is epikv's tiny Llama with the embedded
+model's tokenizer (``conftest.tiny["served"]``), as in ``test_serve.py``."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from tests.vllm.engines import metric, serve
 K, N, REQUESTS = 64, 48, 8  # chat prompts of about 40 tokens: each evicts once past K
 
 
-def test_two_replicas_each_bound_their_requests_and_every_finish_is_counted(embedded, tmp_path):
+def test_two_replicas_each_bound_their_requests_and_every_finish_is_counted(tiny, tmp_path):
     args = ["--max-model-len", "1024", "--block-size", "32", "--data-parallel-size", "2",
             "--no-enable-prefix-caching"]  # fmt: skip
-    with serve(embedded["folder"], args, {"policy": "streaming", "budget": K}, tmp_path / "dp.log") as base:
+    with serve(tiny["served"], args, {"policy": "streaming", "budget": K}, tmp_path / "dp.log") as base:
 
         def chat(i: int) -> dict:
             ask = [{"role": "user", "content": f"Tell me fact number {i} about rivers."}]

@@ -1,6 +1,8 @@
 """``epikv eval --engine vllm`` (issue 41): the same run on vLLM with the plugin writes the records
-epikv's own engine writes, float32, on the embedded model: the same token ids, texts, verdicts and
-cache counters, with the same prompts checked the same way."""
+epikv's own engine writes, float32: the same token ids, texts, verdicts and cache counters, with the
+same prompts checked the same way. The model is epikv's tiny Llama with the embedded model's tokenizer
+and chat template (``conftest.tiny["served"]``): the records are the engines' to agree on, whatever
+the weights (the embedded model's tokens under the plugin are ``test_engine.py``'s)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm", reason="runs in .venv-vllm (setup.sh --vllm)")
 
 
-def _eval(out: Path, engine: str, *extra: str) -> list[dict]:
+def _eval(out: Path, engine: str, model: str, *extra: str) -> list[dict]:
     from epikv.eval.cli import build_parser
 
     args = build_parser().parse_args([
         "eval", "--dataset", "gsm8k:shuffle=0", "--policy", "epikv", "--budget", "160", "--limit", "4",
         "--batch-size", "4", "--max-new-tokens", "200", "--dtype", "float32", "--engine", engine,
-        "--no-progress", "--out", str(out), *extra,
+        "--no-progress", "--model", model, "--out", str(out), *extra,
     ])  # fmt: skip
     assert args.func(args) == 0
     (folder,) = {p.parent for p in out.rglob("results.jsonl")}
@@ -29,9 +31,9 @@ def _eval(out: Path, engine: str, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
 
 
-def test_vllm_writes_the_records_epikvs_engine_writes(tmp_path):
-    ours = _eval(tmp_path / "epikv", "epikv")
-    theirs = _eval(tmp_path / "vllm", "vllm")
+def test_vllm_writes_the_records_epikvs_engine_writes(tiny, tmp_path):
+    ours = _eval(tmp_path / "epikv", "epikv", tiny["served"])
+    theirs = _eval(tmp_path / "vllm", "vllm", tiny["served"])
     same = ("id", "token_ids", "text", "correct", "extracted", "finish_reason", "evictions", "prompt_tokens")
     assert [{k: r[k] for k in same} for r in theirs] == [{k: r[k] for k in same} for r in ours]
     assert sum(r["evictions"] for r in ours) > 0  # the budget bites: compactions ran on both engines

@@ -1,6 +1,8 @@
 """vLLM's own OpenAI server with the plugin, as a user starts it (separate engine and worker processes,
 the plugin loaded by its entry point in each), on 127.0.0.1 and a free port; stops by itself
-(``engines.serve``)."""
+(``engines.serve``). It serves epikv's tiny Llama with the embedded model's tokenizer and chat
+template (``conftest.tiny["served"]``): what is checked here is the server's wire format, counters,
+refusals and faults, which do not depend on the weights, and its answers take seconds, not minutes."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from tests.vllm.engines import metric, serve
 
 
 @pytest.fixture(scope="module")
-def server(embedded, tmp_path_factory):
+def server(tiny, tmp_path_factory):
     args = ["--max-model-len", "4096", "--enable-prefix-caching", "--block-size", "32"]
     settings = {"policy": "epikv", "budget": 128, "interval": 16}  # answers past K + tau evict
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve(embedded["folder"], args, settings, log, faults=True) as base:  # epikv_budget 77 fails
+    with serve(tiny["served"], args, settings, log, faults=True) as base:  # epikv_budget 77 fails
         yield base
 
 

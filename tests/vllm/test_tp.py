@@ -4,13 +4,14 @@ each rank holds one KV head).
 
 Each rank's pages hold its own heads; at a compaction the policy scores whole heads (keys, values and
 recomputed queries gathered across ranks), every rank takes the first rank's scores, and each moves
-its own heads' tokens with the same kept indices (``epikv.vllm.compaction.HeadShards``). Proven here:
-plain vLLM's tp = 2 gives its tp = 1 tokens on this model (so tp = 1 is the reference); ``full`` under
-the plugin at tp = 2 gives plain vLLM's tp = 2 tokens; for ``streaming`` (positions only), ``epikv``
-(Seg-Q: key variance over every head, queries recomputed per rank and gathered) and ``keydiff`` (per
-head: each rank moves its own head), the kept position sets at every compaction, the tokens and the
-counters at tp = 2 equal tp = 1's; and on two hybrids (Gemma 3 with ``keydiff``, gpt-oss with Seg-Q)
-the kept sets and tokens at tp = 2 equal tp = 1's."""
+its own heads' tokens with the same kept indices (``epikv.vllm.compaction.HeadShards``). The
+reference is epikv's own engine (float32, the one the plugin at tp = 1 equals in ``test_engine.py``
+and ``test_archs.py``), so no tp = 1 engine starts here. Proven: ``full`` under the plugin at tp = 2
+gives epikv's engine's tokens; for ``streaming`` (positions only), ``epikv`` (Seg-Q: key variance
+over every head, queries recomputed per rank and gathered) and ``keydiff`` (per head: each rank moves
+its own head), the kept position sets at every compaction, the tokens and the counters at tp = 2
+equal epikv's engine's; and on two hybrids (Gemma 3 with ``keydiff``, gpt-oss with Seg-Q) the kept
+sets and tokens at tp = 2 equal epikv's engine's."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import epikv.vllm
-from tests.vllm.engines import close, generate, kept_sets, make_llm, tokens
+from tests.vllm.engines import close, generate, kept_sets, make_llm, reference_run, tokens
 
 N = 48
 
@@ -36,65 +37,55 @@ CPUS = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="tensor parallelism 2 binds one CPU to each rank")
 
 
-def run(llama: Any, tp: int, policy: str | None = None, budget: int | None = None, **settings: Any):
+def run(llama: Any, policy: str, budget: int | None = None, **settings: Any):
+    """The prompts at tp = 2 under the plugin (``policy`` at ``budget``): vLLM's request outputs."""
     folder, prompts = llama
-    kwargs = {} if policy is None else epikv.vllm.engine_kwargs(policy, budget, **settings)
-    if tp > 1:
-        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    kwargs = epikv.vllm.engine_kwargs(policy, budget, **settings)
+    kwargs.update(tensor_parallel_size=2, distributed_executor_backend="mp")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}" if tp > 1 else "auto")
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}")
         llm = make_llm(folder, max_model_len=512, **kwargs)
         out = generate(llm, prompts, N)
         close(llm)
     return out
 
 
-@pytest.fixture(scope="module")
-def plain(llama):
-    return {tp: tokens(run(llama, tp)) for tp in (1, 2)}
-
-
-def test_plain_vllm_at_tp2_gives_its_tp1_tokens_on_this_model(llama, plain):
-    assert plain[2] == plain[1]
-    assert len({tuple(t) for t in plain[1]}) == len(llama[1])  # not one flat answer for every prompt
-
-
-def test_full_under_the_plugin_at_tp2_gives_plain_vllms_tp2_tokens(llama, plain):
-    assert tokens(run(llama, 2, "full")) == plain[2]
+def test_full_under_the_plugin_at_tp2_gives_epikvs_engine_tokens(llama):
+    folder, prompts = llama
+    expected = reference_run("full", None, prompts, N, model=folder)["tokens"]
+    assert tokens(run(llama, "full")) == expected
+    assert len({tuple(t) for t in expected}) == len(prompts)  # not one flat answer for every prompt
 
 
 @pytest.mark.parametrize(
     ("policy", "budget", "interval"), [("streaming", 24, 1), ("epikv", 40, 8), ("keydiff", 40, 8)]
 )
-def test_every_rank_keeps_tp1s_positions_at_every_compaction(llama, tmp_path, policy, budget, interval):
-    kept, toks, counters = {}, {}, {}
-    for tp in (1, 2):
-        trace = tmp_path / f"tp{tp}.jsonl"
-        out = run(llama, tp, policy, budget, interval=interval, trace=str(trace))
-        kept[tp], toks[tp] = kept_sets(trace, out), tokens(out)
-        counters[tp] = [o.kv_transfer_params["epikv"] for o in out]
-    assert sum(len(sets) for sets in kept[1]) >= len(llama[1])  # every request compacted
-    assert kept[2] == kept[1]
-    assert toks[2] == toks[1]
-    assert counters[2] == counters[1]
-    for c, prompt in zip(counters[2], llama[1], strict=True):
+def test_every_rank_keeps_epikvs_positions_at_every_compaction(llama, tmp_path, policy, budget, interval):
+    folder, prompts = llama
+    trace = tmp_path / "tp2.jsonl"
+    out = run(llama, policy, budget, interval=interval, trace=str(trace))
+    ref = reference_run(policy, budget, prompts, N, model=folder, interval=interval)
+    assert sum(len(sets) for sets in ref["kept"]) >= len(prompts)  # every request compacted
+    assert kept_sets(trace, out) == ref["kept"]
+    assert tokens(out) == ref["tokens"]
+    counters = [o.kv_transfer_params["epikv"] for o in out]
+    assert counters == ref["counters"]
+    for c, prompt in zip(counters, prompts, strict=True):
         assert c["peak_cache_tokens"] <= max(len(prompt), budget) + interval
 
 
 @pytest.mark.parametrize(("kind", "policy"), [("gemma3_text", "keydiff"), ("gpt_oss", "epikv")])
-def test_a_hybrid_at_tp2_keeps_tp1s_positions_and_tokens(tiny, tmp_path, kind, policy):
+def test_a_hybrid_at_tp2_keeps_epikvs_positions_and_tokens(tiny, tmp_path, kind, policy):
     """A hybrid (sliding window of 6 in layers 0 and 2) splits its heads like any model: the global
     group's pages per rank, the sliding group vLLM's on each rank."""
     gen = torch.Generator().manual_seed(2)
     model = (tiny[kind], [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (9, 17, 24)])
-    kept, toks = {}, {}
-    for tp in (1, 2):
-        trace = tmp_path / f"tp{tp}.jsonl"
-        out = run(model, tp, policy, 40, interval=8, trace=str(trace))
-        kept[tp], toks[tp] = kept_sets(trace, out), tokens(out)
-    assert sum(len(sets) for sets in kept[1]) >= 3  # every request compacted
-    assert kept[2] == kept[1]
-    assert toks[2] == toks[1]
+    trace = tmp_path / "tp2.jsonl"
+    out = run(model, policy, 40, interval=8, trace=str(trace))
+    ref = reference_run(policy, 40, model[1], N, model=model[0], interval=8)
+    assert sum(len(sets) for sets in ref["kept"]) >= 3  # every request compacted
+    assert kept_sets(trace, out) == ref["kept"]
+    assert tokens(out) == ref["tokens"]
 
 
 def _fail_on_rank_1(worker: Any, prompt_len: int) -> int:
