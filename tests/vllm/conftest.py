@@ -55,7 +55,8 @@ def reference_worker() -> Iterator[None]:
 def tiny(embedded: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """epikv's tiny model of every type, by type, built before any engine of the session starts: once
     vLLM's Transformers backend has loaded a model type, it has wrapped transformers' class of it for
-    compilation, and the class builds only inside an engine from then on (9 s for all, here)."""
+    compilation, and the class builds only inside an engine from then on (9 s for all, here).
+    ``served``: a Llama at 4,096 positions, the model of the server tests."""
     folders = {}
     for kind in TINY_KINDS:
         folder = tmp_path_factory.mktemp(f"tiny-{kind}")

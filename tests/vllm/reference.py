@@ -154,7 +154,9 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "serve":
+    if sys.argv[1:] == ["serve"]:
         serve()
-    else:
+    elif sys.argv[1:] == ["folder"]:
         print("REFERENCE " + json.dumps(folder()))
+    else:
+        sys.exit(f"reference.py: no command {' '.join(sys.argv[1:])!r}: serve or folder")
