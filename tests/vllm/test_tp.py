@@ -15,7 +15,9 @@ sets and tokens at tp = 2 equal epikv's engine's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,17 +39,38 @@ CPUS = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="tensor parallelism 2 binds one CPU to each rank")
 
 
-def run(llama: Any, policy: str, budget: int | None = None, **settings: Any):
-    """The prompts at tp = 2 under the plugin (``policy`` at ``budget``): vLLM's request outputs."""
-    folder, prompts = llama
+@contextlib.contextmanager
+def engine(folder: str, policy: str, budget: int | None = None, **settings: Any) -> Iterator[Any]:
+    """An engine at tp = 2 under the plugin (``policy`` at ``budget``), one rank on each CPU."""
     kwargs = epikv.vllm.engine_kwargs(policy, budget, **settings)
     kwargs.update(tensor_parallel_size=2, distributed_executor_backend="mp")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}")
         llm = make_llm(folder, max_model_len=512, **kwargs)
-        out = generate(llm, prompts, N)
-        close(llm)
-    return out
+        try:
+            yield llm
+        finally:
+            close(llm)
+
+
+def run(llama: Any, policy: str, budget: int | None = None, **settings: Any):
+    """The prompts at tp = 2 under the plugin (``policy`` at ``budget``): vLLM's request outputs."""
+    folder, prompts = llama
+    with engine(folder, policy, budget, **settings) as llm:
+        return generate(llm, prompts, N)
+
+
+def same_as_epikvs_engine(llama, out, trace, policy, budget, interval) -> None:
+    """Kept sets at every compaction, tokens and counters at tp = 2 equal epikv's engine's."""
+    folder, prompts = llama
+    ref = reference_run(policy, budget, prompts, N, model=folder, interval=interval)
+    assert sum(len(sets) for sets in ref["kept"]) >= len(prompts)  # every request compacted
+    assert kept_sets(trace, out) == ref["kept"]
+    assert tokens(out) == ref["tokens"]
+    counters = [o.kv_transfer_params["epikv"] for o in out]
+    assert counters == ref["counters"]
+    for c, prompt in zip(counters, prompts, strict=True):
+        assert c["peak_cache_tokens"] <= max(len(prompt), budget) + interval
 
 
 def test_full_under_the_plugin_at_tp2_gives_epikvs_engine_tokens(llama):
@@ -57,21 +80,11 @@ def test_full_under_the_plugin_at_tp2_gives_epikvs_engine_tokens(llama):
     assert len({tuple(t) for t in expected}) == len(prompts)  # not one flat answer for every prompt
 
 
-@pytest.mark.parametrize(
-    ("policy", "budget", "interval"), [("streaming", 24, 1), ("epikv", 40, 8), ("keydiff", 40, 8)]
-)
+@pytest.mark.parametrize(("policy", "budget", "interval"), [("streaming", 24, 1), ("epikv", 40, 8)])
 def test_every_rank_keeps_epikvs_positions_at_every_compaction(llama, tmp_path, policy, budget, interval):
-    folder, prompts = llama
     trace = tmp_path / "tp2.jsonl"
     out = run(llama, policy, budget, interval=interval, trace=str(trace))
-    ref = reference_run(policy, budget, prompts, N, model=folder, interval=interval)
-    assert sum(len(sets) for sets in ref["kept"]) >= len(prompts)  # every request compacted
-    assert kept_sets(trace, out) == ref["kept"]
-    assert tokens(out) == ref["tokens"]
-    counters = [o.kv_transfer_params["epikv"] for o in out]
-    assert counters == ref["counters"]
-    for c, prompt in zip(counters, prompts, strict=True):
-        assert c["peak_cache_tokens"] <= max(len(prompt), budget) + interval
+    same_as_epikvs_engine(llama, out, trace, policy, budget, interval)
 
 
 @pytest.mark.parametrize(("kind", "policy"), [("gemma3_text", "keydiff"), ("gpt_oss", "epikv")])
@@ -114,24 +127,22 @@ def _heal(worker: Any) -> None:
         policy.score = policy.unbroken
 
 
-def test_a_fault_on_rank_1_alone_fails_that_request_and_the_engine_serves_on(llama):
-    """A decode compaction that raises on rank 1 only (rank 0's output is what the scheduler reads):
-    that request fails with rank 1's line, the others give their tokens without the fault, nothing
-    waits in a collective, and the engine serves on, exactly."""
+def test_keydiff_keeps_epikvs_positions_and_a_fault_on_rank_1_alone_fails_that_request(llama, tmp_path):
+    """``keydiff`` (each rank scores and moves its own head) keeps epikv's engine's positions, tokens
+    and counters at tp = 2, as above; then, in the same engine, a decode compaction that raises on
+    rank 1 only (rank 0's output is what the scheduler reads): that request fails with rank 1's line,
+    the others give their tokens without the fault, nothing waits in a collective, and the engine
+    serves on, exactly."""
     folder, prompts = llama
-    kwargs = epikv.vllm.engine_kwargs("keydiff", 40, interval=8)
-    kwargs.update(tensor_parallel_size=2, distributed_executor_backend="mp")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}")
-        llm = make_llm(folder, max_model_len=512, **kwargs)
-        try:
-            ref = tokens(generate(llm, prompts, N))
-            assert sorted(llm.collective_rpc(_fail_on_rank_1, args=(len(prompts[1]),))) == [0, 1]
-            out = generate(llm, prompts, N)
-            llm.collective_rpc(_heal)
-            again = tokens(generate(llm, prompts, N))
-        finally:
-            close(llm)
+    trace = tmp_path / "tp2.jsonl"
+    with engine(folder, "keydiff", 40, interval=8, trace=str(trace)) as llm:
+        first = generate(llm, prompts, N)
+        same_as_epikvs_engine(llama, first, trace, "keydiff", 40, 8)
+        ref = tokens(first)
+        assert sorted(llm.collective_rpc(_fail_on_rank_1, args=(len(prompts[1]),))) == [0, 1]
+        out = generate(llm, prompts, N)
+        llm.collective_rpc(_heal)
+        again = tokens(generate(llm, prompts, N))
     assert out[1].outputs[0].finish_reason == "error"
     error = out[1].kv_transfer_params["epikv"]["error"]
     assert "compaction failed: RuntimeError: a fault on rank 1 for the test" in error

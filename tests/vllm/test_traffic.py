@@ -1,7 +1,9 @@
 """The plugin under an operator's traffic (in-process engine, float32, eager): requests joining and
 aborted mid-run, a forced preemption, per-request budgets, long prompts, reservation admission,
 stop strings, and faults. Each request that goes wrong fails alone; the others give their solo
-tokens; the engine serves afterwards; no per-request entry outlives its request.
+tokens; the engine serves afterwards; no per-request entry outlives its request. Every comparison is
+with the same engine's own tokens, so the model is epikv's tiny Llama with the embedded model's
+vocabulary (``conftest.tiny["served"]``, 4,096 positions), not the 30-layer embedded model.
 
 Tests that build their own engine come last: closing an engine tears down vLLM's process-wide groups,
 so the module's engine is not used after one."""
@@ -28,19 +30,23 @@ from tests.vllm.engines import (
 )
 
 K = 48  # streaming: every step over K evicts one token
+BLOCKS = 200  # the module engine's pool, in blocks of 32
 
 
 @pytest.fixture(scope="module")
-def llm(embedded):
-    llm = make_llm(embedded["folder"], **epikv.vllm.engine_kwargs("streaming", K))
+def llm(tiny):
+    llm = make_llm(tiny["served"], num_gpu_blocks_override=BLOCKS, **epikv.vllm.engine_kwargs("streaming", K))
     yield llm
     close(llm)
 
 
 @pytest.fixture(scope="module")
 def solo(llm, embedded):
-    """Each prompt's tokens alone, 80 new tokens."""
-    return [tokens(generate(llm, [p], 80))[0] for p in embedded["prompts"]]
+    """Each prompt's tokens alone, 80 new tokens: four different answers, so a comparison with them
+    can fail."""
+    out = [tokens(generate(llm, [p], 80))[0] for p in embedded["prompts"]]
+    assert len({tuple(t) for t in out}) == len(out) and all(len(set(t)) > 1 for t in out)
+    return out
 
 
 def test_requests_joining_and_aborted_mid_run_leave_the_others_their_solo_tokens(llm, embedded, solo):
@@ -317,14 +323,17 @@ def test_the_pinned_attributes_are_on_a_live_engine(llm, embedded):
     ]:
         missing = [n for n in names if not hasattr(obj, n)]
         assert not missing, f"{type(obj).__name__} lacks {missing}"
-    assert llm.llm_engine.input_processor.epikv_pool == 200 - 1  # in process: one pool, its null block
+    assert llm.llm_engine.input_processor.epikv_pool == BLOCKS - 1  # in process: one pool, its null block
     while llm.llm_engine.has_unfinished_requests():
         llm.llm_engine.step()
     assert_nothing_left(llm)
 
 
-def test_chunked_prompts_beside_decode_rows_give_each_request_its_solo_tokens(embedded, solo):
-    llm = make_llm(embedded["folder"], max_num_batched_tokens=16, **epikv.vllm.engine_kwargs("streaming", K))
+def test_chunked_prompts_beside_decode_rows_give_each_request_its_solo_tokens(tiny, embedded, solo):
+    llm = make_llm(
+        tiny["served"], num_gpu_blocks_override=BLOCKS, max_num_batched_tokens=16,
+        **epikv.vllm.engine_kwargs("streaming", K),
+    )  # fmt: skip
     state, seen = worker_state(llm), []
     after_forward = state.after_forward
 
@@ -344,10 +353,11 @@ def test_chunked_prompts_beside_decode_rows_give_each_request_its_solo_tokens(em
     close(llm)
 
 
-def test_admission_charges_each_request_what_it_can_hold_not_k_plus_tau(embedded):
+def test_admission_charges_each_request_what_it_can_hold_not_k_plus_tau(tiny, embedded):
     blocks, budget = 64, 256  # 63 usable: one request of max_model_len = 2,016 tokens, as vLLM checks
     kwargs = epikv.vllm.engine_kwargs("streaming", budget)
-    llm = make_llm(embedded["folder"], blocks=blocks, max_model_len=(blocks - 1) * 32, **kwargs)
+    pool = {"num_gpu_blocks_override": blocks, "max_model_len": (blocks - 1) * 32}
+    llm = make_llm(tiny["served"], **pool, **kwargs)
     scheduler = core(llm).scheduler
     running, held, schedule = [], [], scheduler.schedule
 
