@@ -108,7 +108,7 @@ def test_seg_q_stays_bounded_and_recomputes_vllms_own_queries(tiny, embedded, mo
     """On the tiny Llama with the embedded model's vocabulary (what is compared is this engine's own
     queries and tokens, so the 30-layer model is not needed)."""
     seg_q = epikv.vllm.engine_kwargs("epikv", 96, interval=16)
-    llm = make_llm(tiny["served"], max_model_len=512, num_gpu_blocks_override=200, **seg_q)
+    llm = make_llm(tiny["served"], max_model_len=512, **seg_q)
     state = worker_state(llm)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     layer = state.spec.policy.query_layer

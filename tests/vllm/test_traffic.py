@@ -1,9 +1,10 @@
 """The plugin under an operator's traffic (in-process engine, float32, eager): requests joining and
 aborted mid-run, a forced preemption, per-request budgets, long prompts, reservation admission,
 stop strings, and faults. Each request that goes wrong fails alone; the others give their solo
-tokens; the engine serves afterwards; no per-request entry outlives its request. Every comparison is
-with the same engine's own tokens, so the model is epikv's tiny Llama with the embedded model's
-vocabulary (``conftest.tiny["served"]``, 4,096 positions), not the 30-layer embedded model.
+tokens; the engine serves afterwards; no per-request entry outlives its request. Each check compares
+the engine with its own solo tokens or its counters with hand-computed ones, so the model is epikv's
+tiny Llama with the embedded model's vocabulary (``conftest.tiny["served"]``, 4,096 positions), not
+the 30-layer embedded model.
 
 Tests that build their own engine come last: closing an engine tears down vLLM's process-wide groups,
 so the module's engine is not used after one."""
@@ -330,10 +331,7 @@ def test_the_pinned_attributes_are_on_a_live_engine(llm, embedded):
 
 
 def test_chunked_prompts_beside_decode_rows_give_each_request_its_solo_tokens(tiny, embedded, solo):
-    llm = make_llm(
-        tiny["served"], num_gpu_blocks_override=BLOCKS, max_num_batched_tokens=16,
-        **epikv.vllm.engine_kwargs("streaming", K),
-    )  # fmt: skip
+    llm = make_llm(tiny["served"], max_num_batched_tokens=16, **epikv.vllm.engine_kwargs("streaming", K))
     state, seen = worker_state(llm), []
     after_forward = state.after_forward
 
